@@ -1,0 +1,71 @@
+"""Build and install taps_kernels (kernels) and taps (driver) from source.
+
+The C++ extension ``taps_kernels._C`` is built on every machine with torch's
+C++ extension tooling. The CUDA extension ``taps_kernels._C_cuda`` joins the
+build only when torch is a CUDA build and nvcc is found.
+
+Environment switches:
+  TAPS_CUDA=0      never build the CUDA extension
+  TAPS_CUDA=1      require it (fail loudly if it cannot be built)
+  TAPS_CUDA=auto   (default) build it when possible
+  TAPS_SKIP_CPP=1  build nothing native (pure-Python install; ops fall back to references)
+  TAPS_CUDA_ARCHS  e.g. "90" or "80;90" (default: torch's own choice)
+"""
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _native_extensions():
+    if os.environ.get("TAPS_SKIP_CPP", "0") == "1":
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    cxx_flags = ["-O3", "-std=c++17"]
+    cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    extensions = [CppExtension("taps_kernels._C", cpp_sources, include_dirs=[os.path.join(ROOT, "csrc")],
+                               extra_compile_args={"cxx": cxx_flags})]
+
+    want_cuda = os.environ.get("TAPS_CUDA", "auto").lower()
+    have_nvcc = shutil.which("nvcc") is not None or os.environ.get("CUDA_HOME") is not None
+    cuda_torch = torch.version.cuda is not None
+    if want_cuda == "1" and not (have_nvcc and cuda_torch):
+        raise RuntimeError(
+            f"TAPS_CUDA=1 but the CUDA extension cannot be built: nvcc found={have_nvcc}, "
+            f"torch CUDA build={cuda_torch} (torch {torch.__version__})")
+    if want_cuda != "0" and have_nvcc and cuda_torch:
+        archs = os.environ.get("TAPS_CUDA_ARCHS")
+        if archs:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(
+                f"{a[:-1]}.{a[-1]}" for a in archs.replace(",", ";").split(";") if a)
+        cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) +
+                              glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+        if cuda_sources:
+            extensions.append(CUDAExtension(
+                "taps_kernels._C_cuda", cuda_sources, include_dirs=[os.path.join(ROOT, "csrc")],
+                extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]}))
+    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _native_extensions()
+
+setup(
+    name="taps_kernels",
+    version="0.1.0",
+    description="Kernels and driver for TAPS: target-aware prefix tree selection for diffusion-drafted speculative decoding",
+    packages=["taps_kernels", "taps_kernels.reference", "taps_kernels.triton",
+              "taps", "taps.models", "taps.decode", "taps.training", "taps.cli", "taps.scoring"],
+    package_dir={"taps_kernels": "taps_kernels", "taps": "python/taps"},
+    package_data={"taps": ["assets/*"]},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={"triton": ["triton>=3.2"], "driver": ["transformers>=4.56", "safetensors", "tqdm"]},
+    entry_points={"console_scripts": ["taps=taps.cli.main:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
