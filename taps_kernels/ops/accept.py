@@ -1,0 +1,37 @@
+"""Acceptance walk of a verified tree (greedy, or sampled when the target tokens are target samples)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._checks import check_positive_int, check_tensor
+from ..backend import resolve
+from ..layout import Tree
+
+
+def accept_greedy(tree: Tree, target_tokens: torch.Tensor, max_depth: Optional[int] = None,
+                  backend: Optional[str] = None):
+    """Walk from the root while a child carries the target's token.
+
+    Args:
+        tree: the verified :class:`Tree` (``N`` rows).
+        target_tokens: ``[B, N] int64``, the target's token after each node (argmax, or a target sample).
+        max_depth: deepest node that can be accepted; the path has ``max_depth + 1`` columns
+            (default: the tree's deepest node, read on the host).
+    Returns:
+        ``path [B, max_depth+1] int64`` accepted node indices (root first, -1 padded),
+        ``accept_len [B] int64`` (root counted: tokens committed this round = accept_len, the last
+        being ``next_token``... i.e. the accepted path plus the bonus), ``next_token [B] int64``
+        (the target's token at the last accepted node: the next round's bonus).
+    """
+    tree.validate("tree")
+    B, N = tree.tokens.shape
+    check_tensor("target_tokens", target_tokens, dtypes=(torch.int64,), shape=(B, N), device=tree.device)
+    if max_depth is None:
+        max_depth = int(tree.depth.max())
+    else:
+        check_positive_int("max_depth", max_depth, minimum=0)
+    _, fn = resolve("accept_greedy", backend, tree.device)
+    return fn(tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(),
+              target_tokens.contiguous(), max_depth + 1)

@@ -1,0 +1,80 @@
+"""Reference subtree selection: top nodes by (prefix-closed) reach, the throughput rule, and the published utility rule."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+def effective_reach(parents: torch.Tensor, log_reach: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """``e(v) = min(log_reach(v), e(parent(v)))``, root 0, padding -inf: monotone along paths, so top-n is prefix-closed."""
+    B, N = parents.shape
+    e = torch.full((B, N), float("-inf"), dtype=torch.float32)
+    lr = log_reach.detach().cpu().float()
+    par = parents.detach().cpu().long()
+    nn_ = num_nodes.detach().cpu().long()
+    for b in range(B):
+        e[b, 0] = 0.0
+        for i in range(1, int(nn_[b])):
+            e[b, i] = min(float(lr[b, i]), float(e[b, par[b, i]]))
+    return e
+
+
+def _throughput_size(sorted_e, n_max: int, latency: torch.Tensor, t0: float) -> int:
+    best_n, best_val, tau = 0, -math.inf, 1.0
+    for n in range(0, n_max + 1):
+        if n > 0:
+            tau += math.exp(float(sorted_e[n - 1]))
+        val = tau / (t0 + float(latency[n]))
+        if val > best_val:
+            best_n, best_val = n, val
+    return best_n
+
+
+def select_subtree_reference(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
+                             log_reach: torch.Tensor, max_nodes: int, latency: Optional[torch.Tensor] = None,
+                             t0: float = 0.0, rule: str = "reach", lambda_node: float = 1.0,
+                             lambda_depth: float = 0.002, min_utility: float = 0.0):
+    """Return ``(pool_index [B, max_nodes+1] int64, num_selected [B] int32)``: kept pool nodes ascending, -1 padded."""
+    B, N = parents.shape
+    par = parents.detach().cpu().long()
+    dep = depth.detach().cpu().long()
+    nn_ = num_nodes.detach().cpu().long()
+    lr = log_reach.detach().cpu().float()
+    lat = latency.detach().cpu().double() if latency is not None else None
+    pool_index = torch.full((B, max_nodes + 1), -1, dtype=torch.int64)
+    num_selected = torch.zeros(B, dtype=torch.int32)
+    eff = effective_reach(par, lr, nn_) if rule == "reach" else None
+    for b in range(B):
+        real = int(nn_[b])
+        if rule == "reach":
+            cand = list(range(1, real))
+            cand.sort(key=lambda i: (-float(eff[b, i]), i))
+            n = min(max_nodes, real - 1)
+            if lat is not None:
+                n = _throughput_size([eff[b, i] for i in cand], min(n, lat.shape[0] - 1), lat, t0)
+            kept = sorted(cand[:n])
+        elif rule == "utility":
+            util = {i: math.exp(float(lr[b, i])) / (lambda_node + lambda_depth * int(dep[b, i])) for i in range(1, real)}
+            chosen = set()
+            for i in sorted(util, key=lambda i: (-util[i], i)):
+                if util[i] < min_utility:
+                    break
+                missing = []
+                j = i
+                while j > 0 and j not in chosen:
+                    missing.append(j)
+                    j = int(par[b, j])
+                if len(chosen) + len(missing) <= max_nodes:
+                    chosen.update(missing)
+                if len(chosen) == max_nodes:
+                    break
+            kept = sorted(chosen)
+        else:
+            raise ValueError(f"rule: expected 'reach' or 'utility', received {rule!r}")
+        pool_index[b, 0] = 0
+        pool_index[b, 1:1 + len(kept)] = torch.tensor(kept, dtype=torch.int64)
+        num_selected[b] = len(kept)
+    dev = parents.device
+    return pool_index.to(dev), num_selected.to(dev)
