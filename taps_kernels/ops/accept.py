@@ -21,9 +21,8 @@ def accept_greedy(tree: Tree, target_tokens: torch.Tensor, max_depth: Optional[i
             (default: the tree's deepest node, read on the host).
     Returns:
         ``path [B, max_depth+1] int64`` accepted node indices (root first, -1 padded),
-        ``accept_len [B] int64`` (root counted: tokens committed this round = accept_len, the last
-        being ``next_token``... i.e. the accepted path plus the bonus), ``next_token [B] int64``
-        (the target's token at the last accepted node: the next round's bonus).
+        ``accept_len [B] int64`` accepted nodes, root counted (tokens committed this round: tau),
+        ``next_token [B] int64`` the target's token at the last accepted node (the next round's bonus).
     """
     tree.validate("tree")
     B, N = tree.tokens.shape
