@@ -1,0 +1,111 @@
+"""Training subcommands of the ``taps`` CLI: ``build-data``, ``train-drafter``, ``eval-drafter``.
+
+``taps.cli.main`` calls :func:`add_subcommands` on its subparsers; each
+subparser sets ``func`` (called with the parsed ``args``). Also runnable alone:
+``python -m taps.cli.train build-data ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def _int_list(s):
+    return [int(x) for x in s.split(",") if x.strip()] if s else None
+
+
+def _cmd_build_data(args):
+    from taps.training.data import build_data, data_summary
+
+    deadline = time.time() + args.max_minutes * 60 if args.max_minutes else None
+    build_data(args.out, target=args.target, num_prompts=args.num_prompts, shard_size=args.shard_size,
+               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+               num_feature_layers=args.num_feature_layers, layer_ids=_int_list(args.layer_ids), seed=args.seed,
+               feat_dtype=args.feat_dtype, threads=args.threads, deadline=deadline)
+    print(json.dumps(data_summary(args.out), indent=1))
+    return 0
+
+
+def _cmd_train(args):
+    from taps.training.train import train_drafter
+
+    train_drafter(**{k: v for k, v in vars(args).items() if k not in ("func", "command", "cmd")})
+    return 0
+
+
+def _cmd_eval(args):
+    from taps.training.evaluate import eval_drafter
+
+    res = eval_drafter(args.drafter, args.data, target=args.target, shards=_int_list(args.shards),
+                       max_seqs=args.max_seqs, anchors_per_seq=args.anchors_per_seq, seed=args.seed,
+                       out_json=args.out_json, threads=args.threads)
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+def add_subcommands(subparsers):
+    p = subparsers.add_parser("build-data", help="target regenerates responses to local prompts (+ hidden features)")
+    p.add_argument("--out", required=True, help="data directory (shards, resumable)")
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--num-prompts", type=int, default=4000)
+    p.add_argument("--shard-size", type=int, default=96)
+    p.add_argument("--batch-size", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--num-feature-layers", type=int, default=5)
+    p.add_argument("--layer-ids", default=None, help="comma list; default: spread 1..L-3")
+    p.add_argument("--feat-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new shard after this many minutes")
+    p.set_defaults(func=_cmd_build_data)
+
+    p = subparsers.add_parser("train-drafter", help="train a DFlash drafter on build-data shards")
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True, help="work dir (checkpoints, log)")
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--num-layers", type=int, default=3)
+    p.add_argument("--intermediate-size", type=int, default=1536)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gamma", type=float, default=7.0)
+    p.add_argument("--anchors-per-seq", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--max-seq-len", type=int, default=640)
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--holdout-shards", default="0", help="comma list of shard indices kept out of training")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this many minutes")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.set_defaults(func=_cmd_train)
+
+    p = subparsers.add_parser("eval-drafter", help="per-position agreement and tau on held-out generated text")
+    p.add_argument("--drafter", required=True, help="drafter dir (config.json + model.safetensors)")
+    p.add_argument("--data", required=True)
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--shards", default="0")
+    p.add_argument("--max-seqs", type=int, default=96)
+    p.add_argument("--anchors-per-seq", type=int, default=16)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out-json", default=None)
+    p.set_defaults(func=_cmd_eval)
+    return subparsers
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="taps-train")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_subcommands(sub)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
