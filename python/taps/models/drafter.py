@@ -1,0 +1,491 @@
+"""DFlash block-diffusion drafter (METHOD.md section 2), checkpoint-compatible
+with the published drafters.
+
+Architecture
+------------
+* Qwen3-style decoder layers (RMSNorm pre-norm, GQA attention with per-head
+  ``q_norm``/``k_norm``, RoPE, SwiGLU MLP), a final ``norm``; NO embedding and
+  NO LM head: the target's ``embed_tokens`` and ``lm_head`` are passed in.
+* Target conditioning by KV injection: the hidden states of the target layers
+  ``target_layer_ids`` (``hidden_states[id+1]``) are concatenated
+  (``n*H`` features), projected by ``fc`` (``n*H -> H``, no bias) and
+  normalised by ``hidden_norm``. In every layer this context goes through that
+  layer's own ``k_proj``/``v_proj`` (+ ``k_norm`` and RoPE at the context rows'
+  true positions) and is placed IN FRONT of the block's keys/values. Queries
+  come only from the block. Inside a block attention is bidirectional.
+* A block is ``[bonus, MASK x (S-1)]`` at positions ``start .. start+S-1``
+  where ``start`` = number of context rows; outputs at block positions
+  ``1..S-1`` are the ``D = S-1`` draft marginals.
+
+Weight names (published): ``fc.weight``, ``hidden_norm.weight``,
+``norm.weight``, ``layers.N.self_attn.{q,k,v,o}_proj.weight``,
+``layers.N.self_attn.{q,k}_norm.weight``,
+``layers.N.{input,post_attention}_layernorm.weight``,
+``layers.N.mlp.{gate,up,down}_proj.weight``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> List[int]:
+    """``n`` target layer ids spread evenly from 1 to ``L-3`` (published rule),
+    rounded to the nearest integer. ``n == 1`` gives ``[L // 2]``.
+
+    >>> default_target_layer_ids(36, 5)
+    [1, 9, 17, 25, 33]
+    """
+    if n < 1:
+        raise ValueError("need at least one target layer")
+    if num_target_layers < 4 and n > 1:
+        raise ValueError(f"target has {num_target_layers} layers: too few to spread {n} layer ids over 1..L-3")
+    if n == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+
+
+def extract_context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """Concatenate ``hidden_states[id+1]`` for ``id`` in ``layer_ids`` (index 0
+    of an HF ``output_hidden_states`` tuple is the embedding output).
+    Returns ``[B, T, n*H]``."""
+    n = len(hidden_states)
+    for i in layer_ids:
+        if not 0 <= i + 1 < n:
+            raise ValueError(f"target layer id {i} out of range for {n - 1} target layers")
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int = 576
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 3
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    vocab_size: int = 49152
+    block_size: int = 16
+    num_target_layers: int = 30
+    target_layer_ids: List[int] = field(default_factory=lambda: [1, 8, 14, 20, 27])
+    mask_token_id: Optional[int] = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    attention_bias: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_context_features(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @property
+    def num_draft_positions(self) -> int:
+        return self.block_size - 1
+
+    def to_dict(self) -> dict:
+        d = dict(self.extra)
+        d.update({
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "hidden_act": self.hidden_act,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": False,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+        })
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DFlashConfig":
+        d = dict(d)
+        dfc = dict(d.pop("dflash_config", None) or {})
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        kw = {}
+        for k in list(d):
+            if k in known:
+                kw[k] = d.pop(k)
+        if "target_layer_ids" in dfc:
+            kw["target_layer_ids"] = dfc.pop("target_layer_ids")
+        if "mask_token_id" in dfc:
+            kw["mask_token_id"] = dfc.pop("mask_token_id")
+        if "rope_theta" not in kw:
+            rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+            if isinstance(rp, dict) and "rope_theta" in rp:
+                kw["rope_theta"] = rp["rope_theta"]
+        if "head_dim" not in kw and "hidden_size" in kw and "num_attention_heads" in kw:
+            kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+        if "target_layer_ids" not in kw:
+            kw["target_layer_ids"] = default_target_layer_ids(kw.get("num_target_layers", 30),
+                                                              kw.get("num_hidden_layers", 3))
+        kw["target_layer_ids"] = [int(x) for x in kw["target_layer_ids"]]
+        for k in ("architectures", "model_type", "tie_word_embeddings"):
+            d.pop(k, None)
+        if dfc:
+            d["dflash_config_extra"] = dfc
+        return cls(**kw, extra=d)
+
+    @classmethod
+    def from_pretrained(cls, path) -> "DFlashConfig":
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"drafter config not found: {p} (a drafter dir holds config.json + model.safetensors)")
+        return cls.from_dict(json.loads(p.read_text()))
+
+    def save(self, path) -> None:
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        (p / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _target_field(tc, name, default=None):
+    if isinstance(tc, dict):
+        v = tc.get(name, default)
+    else:
+        v = getattr(tc, name, default)
+    return v
+
+
+def check_compatible(drafter_config: DFlashConfig, target_config) -> None:
+    """Raise ``ValueError`` naming the offending field when the drafter cannot
+    run on this target (``target_config``: HF config or dict)."""
+    dc = drafter_config
+    th = _target_field(target_config, "hidden_size")
+    tv = _target_field(target_config, "vocab_size")
+    tl = _target_field(target_config, "num_hidden_layers")
+    if th is not None and dc.hidden_size != th:
+        raise ValueError(f"incompatible drafter: hidden_size {dc.hidden_size} != target hidden_size {th} "
+                         f"(the drafter borrows the target's embeddings and LM head)")
+    if tv is not None and dc.vocab_size != tv:
+        raise ValueError(f"incompatible drafter: vocab_size {dc.vocab_size} != target vocab_size {tv}")
+    if tl is not None:
+        if dc.num_target_layers != tl:
+            raise ValueError(f"incompatible drafter: num_target_layers {dc.num_target_layers} != target "
+                             f"num_hidden_layers {tl}")
+        bad = [i for i in dc.target_layer_ids if not 0 <= i < tl]
+        if bad:
+            raise ValueError(f"incompatible drafter: target_layer_ids {bad} out of range [0, {tl}) of the target")
+    if not dc.target_layer_ids:
+        raise ValueError("incompatible drafter: target_layer_ids is empty")
+    if dc.mask_token_id is None:
+        raise ValueError("incompatible drafter: mask_token_id is missing (dflash_config.mask_token_id)")
+    vv = tv if tv is not None else dc.vocab_size
+    if not 0 <= int(dc.mask_token_id) < vv:
+        raise ValueError(f"incompatible drafter: mask_token_id {dc.mask_token_id} outside the vocabulary [0, {vv})")
+    if dc.block_size < 2:
+        raise ValueError(f"incompatible drafter: block_size {dc.block_size} < 2")
+    if dc.num_attention_heads % dc.num_key_value_heads:
+        raise ValueError(f"incompatible drafter: num_attention_heads {dc.num_attention_heads} not a multiple of "
+                         f"num_key_value_heads {dc.num_key_value_heads}")
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dt) if self.weight.dtype == dt else (self.weight.float() * xf).to(dt)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
+    """positions ``[B, L]`` int -> cos, sin ``[B, 1, L, head_dim]``."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.to(torch.float32)[..., None] * inv  # [B,L,hd/2]
+    emb = torch.cat((ang, ang), dim=-1)
+    return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    return x * cos + _rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(H, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, H, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def project_kv(self, x, cos, sin):
+        """x ``[B,L,H]`` -> k, v ``[B,nkv,L,hd]`` (k normed and rotated)."""
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, L, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, k_ctx, v_ctx, mask=None):
+        """x: block rows ``[B,Lq,H]``; k_ctx/v_ctx ``[B,nkv,T,hd]`` (context rows,
+        already rotated); mask: bool ``[B,1,Lq,T+Lq]`` (True = attend) or None (all)."""
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, L, self.nh, self.hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_b, v_b = self.project_kv(x, cos, sin)
+        k = torch.cat([k_ctx.to(k_b.dtype), k_b], dim=2)
+        v = torch.cat([v_ctx.to(v_b.dtype), v_b], dim=2)
+        rep = self.nh // self.nkv
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_ctx, v_ctx, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashState:
+    """Drafter KV cache of CONTEXT rows only.
+
+    ``k[l]``, ``v[l]``: ``[B, num_key_value_heads, length, head_dim]`` per layer
+    (keys already k-normed and rotated at their true positions);
+    ``length``: number of context rows (= position of the next bonus token).
+    All batch rows share one length.
+    """
+
+    def __init__(self, k: List[torch.Tensor], v: List[torch.Tensor], length: int = 0):
+        self.k, self.v, self.length = k, v, length
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_context_features, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        if self.config.mask_token_id is None:
+            raise ValueError("drafter config has no mask_token_id (dflash_config.mask_token_id)")
+        return int(self.config.mask_token_id)
+
+    def _dtype(self):
+        return self.fc.weight.dtype
+
+    def _rope(self, positions, dtype):
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def project_context(self, ctx_features: torch.Tensor) -> torch.Tensor:
+        """``[B,T,n*H]`` target features -> ``hidden_norm(fc(.))`` ``[B,T,H]``."""
+        if ctx_features.shape[-1] != self.config.num_context_features:
+            raise ValueError(f"context features have {ctx_features.shape[-1]} channels, drafter expects "
+                             f"{self.config.num_context_features} = {len(self.config.target_layer_ids)} layers x "
+                             f"{self.config.hidden_size}")
+        return self.hidden_norm(self.fc(ctx_features.to(self._dtype())))
+
+    def _context_kv(self, ctx_h, positions):
+        cos, sin = self._rope(positions, ctx_h.dtype)
+        return [layer.self_attn.project_kv(ctx_h, cos, sin) for layer in self.layers]
+
+    def _embed(self, embed_tokens, ids):
+        return embed_tokens(ids).to(self._dtype())
+
+    # --------------------------------------------------------------- inference
+    def new_state(self, batch_size: int = 1) -> DFlashState:
+        """Empty context cache for ``batch_size`` rows."""
+        c = self.config
+        dev, dt = self.fc.weight.device, self._dtype()
+        z = lambda: torch.zeros(batch_size, c.num_key_value_heads, 0, c.head_dim, device=dev, dtype=dt)  # noqa: E731
+        return DFlashState([z() for _ in self.layers], [z() for _ in self.layers], 0)
+
+    @torch.no_grad()
+    def append_context(self, state: DFlashState, ctx_features: torch.Tensor) -> DFlashState:
+        """Project ``ctx_features [B,T,n*H]`` (target features of T newly
+        committed tokens, positions ``state.length .. state.length+T-1``) and
+        append their K/V rows to every layer. Returns the same ``state``."""
+        B, T, _ = ctx_features.shape
+        if T == 0:
+            return state
+        if state.batch_size != B:
+            raise ValueError(f"state holds batch {state.batch_size}, features have batch {B}")
+        h = self.project_context(ctx_features)
+        pos = torch.arange(state.length, state.length + T, device=h.device).expand(B, T)
+        kvs = self._context_kv(h, pos)
+        for l, (k, v) in enumerate(kvs):
+            state.k[l] = torch.cat([state.k[l], k], dim=2)
+            state.v[l] = torch.cat([state.v[l], v], dim=2)
+        state.length += T
+        return state
+
+    def rollback(self, state: DFlashState, length: int) -> DFlashState:
+        """Crop the context cache to its first ``length`` rows."""
+        if not 0 <= length <= state.length:
+            raise ValueError(f"rollback length {length} outside [0, {state.length}]")
+        state.k = [k[:, :, :length] for k in state.k]
+        state.v = [v[:, :, :length] for v in state.v]
+        state.length = length
+        return state
+
+    @torch.no_grad()
+    def draft(self, state: DFlashState, bonus_tokens: torch.Tensor, embed_tokens, lm_head):
+        """One draft pass.
+
+        bonus_tokens ``[B] int64``: the block is ``[bonus, MASK x D]`` at positions
+        ``state.length .. state.length+D`` (``D = block_size-1``), attending to all
+        context rows and bidirectionally inside the block.
+        Returns ``(logits [B,D,V] float32, hidden [B,D,H])`` for block positions
+        ``1..D``. The state is not modified.
+        """
+        c = self.config
+        B = bonus_tokens.shape[0]
+        S = c.block_size
+        dev = self.fc.weight.device
+        ids = torch.full((B, S), self.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = bonus_tokens.to(dev)
+        x = self._embed(embed_tokens, ids)
+        pos = torch.arange(state.length, state.length + S, device=dev).expand(B, S)
+        cos, sin = self._rope(pos, x.dtype)
+        for l, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, state.k[l], state.v[l], None)
+        hidden = self.norm(x)[:, 1:]
+        logits = lm_head(hidden.to(lm_head.weight.dtype)).float()
+        return logits, hidden
+
+    # ---------------------------------------------------------------- training
+    def forward_blocks(self, ctx_features: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor,
+                       embed_tokens) -> torch.Tensor:
+        """Training forward over many blocks per sequence in one pass.
+
+        ctx_features ``[B,T,n*H]``: clean target features of positions ``0..T-1``.
+        block_ids ``[B,M,S]`` int64: block ``m`` = ``[x[a_m], MASK...]``.
+        anchors ``[B,M]`` int64: block ``m`` occupies positions ``a_m .. a_m+S-1``
+        and sees context rows ``t < a_m`` only; blocks do not see each other;
+        inside a block attention is bidirectional. ``a_m < 0`` marks a padding
+        block (sees only itself; ignore its outputs).
+        Returns the final-normed hidden states ``[B,M,S,H]`` (position 0 = the bonus row).
+        """
+        B, T, _ = ctx_features.shape
+        _, M, S = block_ids.shape
+        dev = ctx_features.device
+        ctx_h = self.project_context(ctx_features)
+        ctx_pos = torch.arange(T, device=dev).expand(B, T)
+        kvs = self._context_kv(ctx_h, ctx_pos)
+        a = anchors.clamp(min=0)
+        pos = (a[:, :, None] + torch.arange(S, device=dev)).reshape(B, M * S)
+        x = self._embed(embed_tokens, block_ids.reshape(B, M * S))
+        cos, sin = self._rope(pos, x.dtype)
+        # mask [B,1,M*S,T+M*S]
+        ctx_vis = torch.arange(T, device=dev)[None, None, :] < anchors[:, :, None]  # [B,M,T]
+        ctx_vis = ctx_vis[:, :, None, :].expand(B, M, S, T).reshape(B, M * S, T)
+        blk = torch.arange(M, device=dev).repeat_interleave(S)
+        blk_vis = (blk[:, None] == blk[None, :]).expand(B, M * S, M * S)
+        mask = torch.cat([ctx_vis, blk_vis], dim=-1)[:, None]
+        for l, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kvs[l][0], kvs[l][1], mask)
+        return self.norm(x).view(B, M, S, -1)
+
+    # -------------------------------------------------------------------- io
+    def save_pretrained(self, path, dtype: Optional[torch.dtype] = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        self.config.save(p)
+        sd = {k: (v.detach().to(dtype) if dtype is not None else v.detach()).contiguous().cpu()
+              for k, v in self.state_dict().items()}
+        save_file(sd, str(p / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", target_config=None) -> DFlashDrafter:
+    """Load a drafter directory (``config.json`` + ``model.safetensors``), e.g. a
+    published DFlash checkpoint. Weights may carry a ``model.`` prefix. With
+    ``target_config`` the drafter is checked by :func:`check_compatible`."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"drafter directory not found: {p}")
+    cfg = DFlashConfig.from_pretrained(p)
+    if target_config is not None:
+        check_compatible(cfg, target_config)
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in drafter directory {p}")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+    sd = {k: v for k, v in sd.items() if not (k.startswith("embed_tokens") or k.startswith("lm_head")
+                                               or k.endswith("rotary_emb.inv_freq"))}
+    model = DFlashDrafter(cfg)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"drafter weights in {p} do not match its config: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,191 @@
+"""Fast CPU tests of the DFlash drafter (tiny random configs, no real target)."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from taps.models.drafter import (DFlashConfig, DFlashDrafter, check_compatible, default_target_layer_ids,
+                                 extract_context_features, load_drafter)
+
+PUBLISHED_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
+    f"layers.{{i}}.{n}" for n in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
+        "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+
+
+def tiny_cfg(**kw):
+    d = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+             num_hidden_layers=2, vocab_size=97, block_size=5, num_target_layers=8, target_layer_ids=[1, 3, 5],
+             mask_token_id=96, rope_theta=10000.0)
+    d.update(kw)
+    return DFlashConfig(**d)
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = tiny_cfg(**kw)
+    m = DFlashDrafter(cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    return m, emb, head
+
+
+def test_layer_id_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    ids = default_target_layer_ids(28, 3)
+    assert ids[0] == 1 and ids[-1] == 25 and ids == sorted(ids)
+    assert default_target_layer_ids(30, 1) == [15]
+    with pytest.raises(ValueError):
+        default_target_layer_ids(30, 0)
+
+
+def test_extract_context_features():
+    hs = [torch.full((1, 3, 4), float(i)) for i in range(9)]
+    f = extract_context_features(hs, [1, 5])
+    assert f.shape == (1, 3, 8)
+    assert f[0, 0, :4].eq(2).all() and f[0, 0, 4:].eq(6).all()
+    with pytest.raises(ValueError):
+        extract_context_features(hs, [8])
+
+
+def test_config_and_weight_roundtrip(tmp_path):
+    m, emb, head = make()
+    names = set(m.state_dict().keys())
+    expect = {n.format(i=i) for n in PUBLISHED_NAMES for i in range(m.config.num_hidden_layers)}
+    assert names == expect
+    m.save_pretrained(tmp_path, dtype=torch.float32)
+    d = json.loads((tmp_path / "config.json").read_text())
+    for k in ("block_size", "num_target_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "vocab_size", "num_hidden_layers"):
+        assert k in d
+    assert d["dflash_config"] == {"target_layer_ids": [1, 3, 5], "mask_token_id": 96}
+    m2 = load_drafter(tmp_path)
+    assert m2.config.target_layer_ids == [1, 3, 5] and m2.config.mask_token_id == 96
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, m2.state_dict()[k])
+
+
+def test_loads_published_layout_with_prefix(tmp_path):
+    """A published-style dir: config with dflash_config, bf16 weights, optional 'model.' prefix."""
+    from safetensors.torch import save_file
+    m, _, _ = make()
+    cfg = m.config.to_dict()
+    cfg["torch_dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"model." + k: v.to(torch.bfloat16).contiguous() for k, v in m.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    m2 = load_drafter(tmp_path)
+    assert m2.fc.weight.dtype == torch.float32
+    torch.testing.assert_close(m2.fc.weight, m.fc.weight.to(torch.bfloat16).float())
+
+
+def test_incremental_draft_matches_training_forward():
+    m, emb, head = make()
+    cfg = m.config
+    B, T, S = 2, 13, cfg.block_size
+    torch.manual_seed(1)
+    feats = torch.randn(B, T, cfg.num_context_features)
+    tokens = torch.randint(0, 90, (B, T))
+    anchors = torch.tensor([[3, 7, 11], [5, 9, 12]])
+    blocks = torch.full((B, 3, S), cfg.mask_token_id)
+    blocks[:, :, 0] = torch.gather(tokens, 1, anchors)
+    with torch.no_grad():
+        h = m.forward_blocks(feats, blocks, anchors, emb)
+        ref_logits = head(h[:, :, 1:])
+    for b in range(B):
+        for j in range(3):
+            a = int(anchors[b, j])
+            st = m.new_state(1)
+            # append context in two chunks to exercise positions continuing from state length
+            m.append_context(st, feats[b:b + 1, : a // 2])
+            m.append_context(st, feats[b:b + 1, a // 2: a])
+            assert st.length == a
+            logits, hid = m.draft(st, tokens[b:b + 1, a], emb, head)
+            assert logits.shape == (1, S - 1, cfg.vocab_size) and logits.dtype == torch.float32
+            assert hid.shape == (1, S - 1, cfg.hidden_size)
+            torch.testing.assert_close(logits[0], ref_logits[b, j], atol=1e-4, rtol=1e-4)
+            assert st.length == a  # draft does not modify the state
+
+
+def test_rollback():
+    m, emb, head = make()
+    feats = torch.randn(1, 10, m.config.num_context_features)
+    st = m.new_state(1)
+    m.append_context(st, feats)
+    m.rollback(st, 6)
+    assert st.length == 6 and st.k[0].shape[2] == 6
+    st2 = m.new_state(1)
+    m.append_context(st2, feats[:, :6])
+    b = torch.tensor([5])
+    torch.testing.assert_close(m.draft(st, b, emb, head)[0], m.draft(st2, b, emb, head)[0])
+    with pytest.raises(ValueError):
+        m.rollback(st, 7)
+
+
+def test_block_isolation_and_bidirectionality():
+    m, emb, head = make()
+    cfg = m.config
+    T, S = 16, cfg.block_size
+    torch.manual_seed(2)
+    feats = torch.randn(1, T, cfg.num_context_features)
+    anchors = torch.tensor([[4, 10]])
+    blocks = torch.randint(0, 90, (1, 2, S))
+    with torch.no_grad():
+        h0 = m.forward_blocks(feats, blocks, anchors, emb)
+        # change the later block's tokens: earlier block unchanged
+        b2 = blocks.clone(); b2[0, 1] = (b2[0, 1] + 7) % 90
+        h1 = m.forward_blocks(feats, b2, anchors, emb)
+        torch.testing.assert_close(h0[0, 0], h1[0, 0])
+        assert not torch.allclose(h0[0, 1], h1[0, 1])
+        # context after the anchor is invisible to that block
+        f2 = feats.clone(); f2[0, 4:] += 5.0
+        h2 = m.forward_blocks(f2, blocks, anchors, emb)
+        torch.testing.assert_close(h0[0, 0], h2[0, 0])
+        assert not torch.allclose(h0[0, 1], h2[0, 1])
+        # bidirectional: changing the LAST token of a block changes its FIRST row
+        b3 = blocks.clone(); b3[0, 0, S - 1] = (b3[0, 0, S - 1] + 3) % 90
+        h3 = m.forward_blocks(feats, b3, anchors, emb)
+        assert not torch.allclose(h0[0, 0, 0], h3[0, 0, 0])
+        # an earlier block's tokens do not leak into a later one either
+        b4 = blocks.clone(); b4[0, 0] = (b4[0, 0] + 1) % 90
+        h4 = m.forward_blocks(feats, b4, anchors, emb)
+        torch.testing.assert_close(h0[0, 1], h4[0, 1])
+
+
+def test_check_compatible_errors():
+    cfg = tiny_cfg()
+    tgt = {"hidden_size": 32, "vocab_size": 97, "num_hidden_layers": 8}
+    check_compatible(cfg, tgt)
+    with pytest.raises(ValueError, match="hidden_size"):
+        check_compatible(cfg, dict(tgt, hidden_size=64))
+    with pytest.raises(ValueError, match="vocab_size"):
+        check_compatible(cfg, dict(tgt, vocab_size=100))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        check_compatible(tiny_cfg(target_layer_ids=[1, 3, 9]), tgt)
+    with pytest.raises(ValueError, match="num_target_layers"):
+        check_compatible(cfg, dict(tgt, num_hidden_layers=12))
+    with pytest.raises(ValueError, match="mask_token_id"):
+        check_compatible(tiny_cfg(mask_token_id=None), tgt)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        check_compatible(tiny_cfg(mask_token_id=500), tgt)
+
+
+def test_context_feature_width_checked():
+    m, emb, head = make()
+    st = m.new_state(1)
+    with pytest.raises(ValueError, match="channels"):
+        m.append_context(st, torch.randn(1, 3, 10))
+
+
+def test_missing_drafter_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_drafter(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_drafter(tmp_path)
