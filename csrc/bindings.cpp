@@ -1,0 +1,503 @@
+// taps_kernels._C: torch bindings of the C++ tree ops (tree_ops.h) on CPU tensors.
+//
+// Each op takes the arguments of its reference in taps_kernels/reference (after the public op in
+// taps_kernels/ops has validated them), re-checks what it relies on for memory safety (device, dtype,
+// shape; errors name the argument, the expectation and what arrived), releases the GIL and loops over
+// the batch with at::parallel_for. Per-thread workspaces are reused across calls, so a call allocates
+// only its output tensors. The time_* functions loop a kernel inside C++ (outputs preallocated once) so
+// a benchmark can separate the kernel from Python and validation overhead.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tree_ops.h"
+
+namespace py = pybind11;
+
+namespace {
+
+std::string dtype_name(at::ScalarType t) {
+  std::string s = c10::toString(t);
+  // c10 spells dtypes "Float", "Long", ...; the Python side says float32, int64: use torch's Python names.
+  if (s == "Float") return "float32";
+  if (s == "Double") return "float64";
+  if (s == "Half") return "float16";
+  if (s == "BFloat16") return "bfloat16";
+  if (s == "Long") return "int64";
+  if (s == "Int") return "int32";
+  if (s == "Short") return "int16";
+  if (s == "Char") return "int8";
+  if (s == "Byte") return "uint8";
+  if (s == "Bool") return "bool";
+  return s;
+}
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
+  if (sizes.size() == 1) os << ",";
+  os << ")";
+  return os.str();
+}
+
+// Checks a CPU tensor's dtype and rank (and sizes where given, -1 = any); raises TypeError / ValueError.
+void check_arg(const at::Tensor& t, const std::string& name, std::initializer_list<at::ScalarType> dtypes,
+               std::vector<int64_t> sizes) {
+  if (!t.defined()) throw py::type_error(name + ": expected a torch.Tensor, received None");
+  bool ok = false;
+  std::string want;
+  for (auto d : dtypes) {
+    ok = ok || t.scalar_type() == d;
+    want += (want.empty() ? "" : " or ") + dtype_name(d);
+  }
+  if (!ok) throw py::type_error(name + ": expected dtype " + want + ", received " + dtype_name(t.scalar_type()));
+  if (!t.device().is_cpu()) {
+    throw py::value_error(name + ": the C++ backend needs a CPU tensor, received one on " + t.device().str());
+  }
+  if (t.dim() != static_cast<int64_t>(sizes.size())) {
+    throw py::value_error(name + ": expected a " + std::to_string(sizes.size()) + "-D tensor, received shape " +
+                          shape_str(t.sizes()));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] >= 0 && t.size(static_cast<int64_t>(i)) != sizes[i]) {
+      std::string pretty = "(";
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        pretty += (k ? ", " : "") + (sizes[k] >= 0 ? std::to_string(sizes[k]) : std::string("*"));
+      }
+      pretty += sizes.size() == 1 ? ",)" : ")";
+      throw py::value_error(name + ": expected shape " + pretty + ", received " + shape_str(t.sizes()));
+    }
+  }
+}
+
+int32_t check_count(const std::string& name, int64_t value, int64_t minimum) {
+  if (value < minimum || value > std::numeric_limits<int32_t>::max() - 1) {
+    throw py::value_error(name + ": expected an int in [" + std::to_string(minimum) + ", 2**31 - 2], received " +
+                          std::to_string(value));
+  }
+  return static_cast<int32_t>(value);
+}
+
+// Batch loop: run inline for small batches, where a thread hand-off costs more than the work.
+template <typename F>
+void for_batch(int64_t B, int64_t work_per_row, const F& fn) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_row));
+  at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) fn(b);
+  });
+}
+
+template <typename F>
+double seconds_per_iter(int64_t iters, const F& fn) {
+  if (iters < 1) throw py::value_error("iters: expected an int >= 1, received " + std::to_string(iters));
+  fn();  // warm the workspaces and caches
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iters; ++it) fn();
+  const auto stop = std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(stop - start).count() / static_cast<double>(iters);
+}
+
+// ------------------------------------------------------------------------------------------------ top-K
+std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k) {
+  check_arg(draft_logits, "draft_logits", {at::kFloat, at::kHalf, at::kBFloat16}, {-1, -1, -1});
+  check_count("top_k", top_k, 1);
+  const int64_t B = draft_logits.size(0), D = draft_logits.size(1), V = draft_logits.size(2);
+  if (V < 1) throw py::value_error("draft_logits: expected a vocabulary of at least 1, received shape " +
+                                   shape_str(draft_logits.sizes()));
+  const int32_t K = static_cast<int32_t>(std::min<int64_t>(top_k, V));
+  const int32_t K2 = static_cast<int32_t>(std::min<int64_t>(std::max<int32_t>(K, 2), V));  // margin needs two
+  py::gil_scoped_release no_gil;
+  // Same ATen expressions as reference/pool.py::topk_stats_reference, so entropy and mass are bit-identical.
+  at::Tensor logp = at::log_softmax(draft_logits.to(at::kFloat), -1);
+  at::Tensor p = logp.exp();
+  at::Tensor entropy = -at::where(p > 0, p * logp, at::zeros_like(p)).sum(-1);
+  at::Tensor logp_c = logp.contiguous();
+  at::Tensor vals = at::empty({B, D, K2}, logp.options());
+  at::Tensor ids = at::empty({B, D, K2}, logp.options().dtype(at::kLong));
+  at::Tensor margin = at::zeros({B, D}, logp.options());
+  const float* x = logp_c.data_ptr<float>();
+  float* vp = vals.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* mp = margin.data_ptr<float>();
+  at::parallel_for(0, B * D, 1, [&](int64_t begin, int64_t end) {
+    thread_local taps::TopKWorkspace ws;
+    for (int64_t r = begin; r < end; ++r) {
+      taps::topk_row(x + r * V, V, K2, vp + r * K2, ip + r * K2, ws);
+      if (V > 1) mp[r] = vp[r * K2] - vp[r * K2 + 1];
+    }
+  });
+  at::Tensor topk_logp = vals.narrow(2, 0, K).contiguous();
+  at::Tensor topk_ids = ids.narrow(2, 0, K).contiguous();
+  at::Tensor topk_mass = topk_logp.exp().sum(-1);
+  return {topk_logp, topk_ids, entropy, margin, topk_mass};
+}
+
+// ------------------------------------------------------------------------------------------ best-first pool
+struct PoolArgs {
+  int64_t B;
+  int32_t D, K, pool_size;
+};
+
+PoolArgs check_pool_args(const at::Tensor& topk_logp, const at::Tensor& topk_ids, const at::Tensor& root_tokens,
+                         int64_t pool_size) {
+  check_arg(topk_logp, "topk_logp", {at::kFloat}, {-1, -1, -1});
+  const int64_t B = topk_logp.size(0);
+  check_arg(topk_ids, "topk_ids", {at::kLong}, {B, topk_logp.size(1), topk_logp.size(2)});
+  check_arg(root_tokens, "root_tokens", {at::kLong}, {B});
+  return {B, check_count("topk_logp.shape[1]", topk_logp.size(1), 0),
+          check_count("topk_logp.shape[2]", topk_logp.size(2), 0), check_count("pool_size", pool_size, 1)};
+}
+
+void run_pool(const PoolArgs& a, const float* lp, const int64_t* ids, const int64_t* roots, int64_t* tokens,
+              int32_t* parents, int32_t* depth, int32_t* num_nodes, float* logq, float* step_logq, int32_t* rank) {
+  const int64_t N = a.pool_size + 1;
+  const int64_t lattice = static_cast<int64_t>(a.D) * a.K;
+  for_batch(a.B, N * 8, [&](int64_t b) {
+    thread_local taps::PoolWorkspace ws;
+    num_nodes[b] = taps::best_first_pool_one(lp + b * lattice, ids + b * lattice, roots[b], a.D, a.K, a.pool_size,
+                                             tokens + b * N, parents + b * N, depth + b * N, logq + b * N,
+                                             step_logq + b * N, rank + b * N, ws);
+  });
+}
+
+struct PoolOut {
+  at::Tensor tokens, parents, depth, num_nodes, logq, step_logq, rank;
+  PoolOut(int64_t B, int64_t N)
+      : tokens(at::empty({B, N}, at::kLong)),
+        parents(at::empty({B, N}, at::kInt)),
+        depth(at::empty({B, N}, at::kInt)),
+        num_nodes(at::empty({B}, at::kInt)),
+        logq(at::empty({B, N}, at::kFloat)),
+        step_logq(at::empty({B, N}, at::kFloat)),
+        rank(at::empty({B, N}, at::kInt)) {}
+};
+
+std::vector<at::Tensor> best_first_pool(const at::Tensor& topk_logp, const at::Tensor& topk_ids,
+                                        const at::Tensor& root_tokens, int64_t pool_size) {
+  const PoolArgs a = check_pool_args(topk_logp, topk_ids, root_tokens, pool_size);
+  const at::Tensor lp = topk_logp.contiguous(), ids = topk_ids.contiguous(), roots = root_tokens.contiguous();
+  py::gil_scoped_release no_gil;
+  PoolOut o(a.B, a.pool_size + 1);
+  run_pool(a, lp.data_ptr<float>(), ids.data_ptr<int64_t>(), roots.data_ptr<int64_t>(), o.tokens.data_ptr<int64_t>(),
+           o.parents.data_ptr<int32_t>(), o.depth.data_ptr<int32_t>(), o.num_nodes.data_ptr<int32_t>(),
+           o.logq.data_ptr<float>(), o.step_logq.data_ptr<float>(), o.rank.data_ptr<int32_t>());
+  return {o.tokens, o.parents, o.depth, o.num_nodes, o.logq, o.step_logq, o.rank};
+}
+
+double time_best_first_pool(const at::Tensor& topk_logp, const at::Tensor& topk_ids, const at::Tensor& root_tokens,
+                            int64_t pool_size, int64_t iters) {
+  const PoolArgs a = check_pool_args(topk_logp, topk_ids, root_tokens, pool_size);
+  const at::Tensor lp = topk_logp.contiguous(), ids = topk_ids.contiguous(), roots = root_tokens.contiguous();
+  py::gil_scoped_release no_gil;
+  PoolOut o(a.B, a.pool_size + 1);
+  return seconds_per_iter(iters, [&] {
+    run_pool(a, lp.data_ptr<float>(), ids.data_ptr<int64_t>(), roots.data_ptr<int64_t>(),
+             o.tokens.data_ptr<int64_t>(), o.parents.data_ptr<int32_t>(), o.depth.data_ptr<int32_t>(),
+             o.num_nodes.data_ptr<int32_t>(), o.logq.data_ptr<float>(), o.step_logq.data_ptr<float>(),
+             o.rank.data_ptr<int32_t>());
+  });
+}
+
+// ------------------------------------------------------------------------------------------ propagate reach
+void check_parent_range(const at::Tensor& parents, const std::string& name) {
+  // Memory safety of the walks: every parent is -1 or a smaller index of the same row.
+  const int64_t B = parents.size(0), N = parents.size(1);
+  const int32_t* p = parents.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < N; ++i) {
+      const int32_t v = p[b * N + i];
+      if (v < -1 || v >= i) {
+        throw py::value_error(name + "[" + std::to_string(b) + "," + std::to_string(i) + "]: parent index " +
+                              std::to_string(v) + " must be -1 or smaller than " + std::to_string(i));
+      }
+    }
+  }
+}
+
+at::Tensor propagate_reach(const at::Tensor& parents_in, const at::Tensor& edge_logq_in) {
+  check_arg(parents_in, "parents", {at::kInt}, {-1, -1});
+  const int64_t B = parents_in.size(0), N = parents_in.size(1);
+  check_arg(edge_logq_in, "edge_logq", {at::kFloat}, {B, N});
+  if (N < 1) throw py::value_error("parents: expected at least one node, received shape " + shape_str(parents_in.sizes()));
+  const at::Tensor parents = parents_in.contiguous(), edge = edge_logq_in.contiguous();
+  check_parent_range(parents, "parents");
+  py::gil_scoped_release no_gil;
+  at::Tensor out = at::empty({B, N}, at::kFloat);
+  const int32_t* p = parents.data_ptr<int32_t>();
+  const float* e = edge.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for_batch(B, N, [&](int64_t b) { taps::propagate_reach_one(p + b * N, e + b * N, static_cast<int32_t>(N), o + b * N); });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------- trees
+struct TreeArgs {
+  at::Tensor parents, depth, num_nodes;
+  int64_t B, N;
+};
+
+// Checks tensors and the structure the walks index with (num_nodes range, parent < child); the full
+// check with the public op's messages is taps_kernels.layout.validate_tree.
+TreeArgs check_tree(const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& num_nodes) {
+  check_arg(parents, "tree.parents", {at::kInt}, {-1, -1});
+  const int64_t B = parents.size(0), N = parents.size(1);
+  if (N < 1) throw py::value_error("tree.parents: expected at least one node, received shape " + shape_str(parents.sizes()));
+  check_count("tree.parents.shape[1]", N, 1);
+  check_arg(depth, "tree.depth", {at::kInt}, {B, N});
+  check_arg(num_nodes, "tree.num_nodes", {at::kInt}, {B});
+  TreeArgs t{parents.contiguous(), depth.contiguous(), num_nodes.contiguous(), B, N};
+  const int32_t* nn = t.num_nodes.data_ptr<int32_t>();
+  const int32_t* p = t.parents.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    if (nn[b] < 1 || nn[b] > N) {
+      throw py::value_error("tree.num_nodes[" + std::to_string(b) + "]: expected a value in [1, " + std::to_string(N) +
+                            "], received " + std::to_string(nn[b]));
+    }
+    for (int64_t i = 1; i < nn[b]; ++i) {
+      const int32_t v = p[b * N + i];
+      if (v < 0 || v >= i) {
+        throw py::value_error("tree.parents[" + std::to_string(b) + "," + std::to_string(i) + "]: parent index " +
+                              std::to_string(v) + " is out of range or not smaller than the child's index; expected "
+                              "0 <= parent < " + std::to_string(i));
+      }
+    }
+  }
+  return t;
+}
+
+// --------------------------------------------------------------------------------------------- selection
+struct SelectArgs {
+  TreeArgs tree;
+  at::Tensor log_reach, latency;
+  taps::SelectParams params;
+};
+
+SelectArgs check_select(const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& num_nodes,
+                        const at::Tensor& log_reach, int64_t max_nodes, const std::optional<at::Tensor>& latency,
+                        double t0, const std::string& rule, double lambda_node, double lambda_depth,
+                        double min_utility) {
+  SelectArgs s{check_tree(parents, depth, num_nodes), at::Tensor(), at::Tensor(), taps::SelectParams()};
+  check_arg(log_reach, "log_reach", {at::kFloat}, {s.tree.B, s.tree.N});
+  s.log_reach = log_reach.contiguous();
+  s.params.max_nodes = check_count("max_nodes", max_nodes, 1);
+  if (rule == "reach") {
+    s.params.rule = taps::Rule::kReach;
+  } else if (rule == "utility") {
+    s.params.rule = taps::Rule::kUtility;
+  } else {
+    throw py::value_error("rule: expected 'reach' or 'utility', received '" + rule + "'");
+  }
+  if (latency.has_value() && latency->defined()) {
+    check_arg(*latency, "latency", {at::kDouble, at::kFloat}, {-1});
+    if (latency->size(0) < 1) throw py::value_error("latency: expected a non-empty 1-D table, received shape (0,)");
+    if (s.params.rule != taps::Rule::kReach) throw py::value_error("latency: the throughput rule needs rule='reach'");
+    s.latency = latency->to(at::kDouble).contiguous();
+    s.params.latency = s.latency.data_ptr<double>();
+    s.params.latency_len = check_count("latency.shape[0]", s.latency.size(0), 1);
+  }
+  s.params.t0 = t0;
+  s.params.lambda_node = lambda_node;
+  s.params.lambda_depth = lambda_depth;
+  s.params.min_utility = min_utility;
+  return s;
+}
+
+void run_select(const SelectArgs& s, int64_t* pool_index, int32_t* num_selected) {
+  const int64_t N = s.tree.N, M = s.params.max_nodes + 1;
+  const int32_t* p = s.tree.parents.data_ptr<int32_t>();
+  const int32_t* d = s.tree.depth.data_ptr<int32_t>();
+  const int32_t* nn = s.tree.num_nodes.data_ptr<int32_t>();
+  const float* lr = s.log_reach.data_ptr<float>();
+  for_batch(s.tree.B, N * 4, [&](int64_t b) {
+    thread_local taps::SelectWorkspace ws;
+    num_selected[b] = taps::select_subtree_one(p + b * N, d + b * N, nn[b], lr + b * N, s.params, pool_index + b * M, ws);
+  });
+}
+
+std::vector<at::Tensor> select_subtree(const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& num_nodes,
+                                       const at::Tensor& log_reach, int64_t max_nodes,
+                                       const std::optional<at::Tensor>& latency, double t0, const std::string& rule,
+                                       double lambda_node, double lambda_depth, double min_utility) {
+  const SelectArgs s = check_select(parents, depth, num_nodes, log_reach, max_nodes, latency, t0, rule, lambda_node,
+                                    lambda_depth, min_utility);
+  py::gil_scoped_release no_gil;
+  at::Tensor pool_index = at::empty({s.tree.B, max_nodes + 1}, at::kLong);
+  at::Tensor num_selected = at::empty({s.tree.B}, at::kInt);
+  run_select(s, pool_index.data_ptr<int64_t>(), num_selected.data_ptr<int32_t>());
+  return {pool_index, num_selected};
+}
+
+double time_select_subtree(const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& num_nodes,
+                           const at::Tensor& log_reach, int64_t max_nodes, const std::optional<at::Tensor>& latency,
+                           double t0, const std::string& rule, double lambda_node, double lambda_depth,
+                           double min_utility, int64_t iters) {
+  const SelectArgs s = check_select(parents, depth, num_nodes, log_reach, max_nodes, latency, t0, rule, lambda_node,
+                                    lambda_depth, min_utility);
+  py::gil_scoped_release no_gil;
+  at::Tensor pool_index = at::empty({s.tree.B, max_nodes + 1}, at::kLong);
+  at::Tensor num_selected = at::empty({s.tree.B}, at::kInt);
+  return seconds_per_iter(iters, [&] { run_select(s, pool_index.data_ptr<int64_t>(), num_selected.data_ptr<int32_t>()); });
+}
+
+// --------------------------------------------------------------------------------------------- tree mask
+std::vector<at::Tensor> tree_mask(const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& num_nodes,
+                                  const at::Tensor& prefix_lens_in) {
+  const TreeArgs t = check_tree(parents, depth, num_nodes);
+  check_arg(prefix_lens_in, "prefix_lens", {at::kLong, at::kInt}, {t.B});
+  const at::Tensor prefix_lens = prefix_lens_in.to(at::kLong).contiguous();
+  py::gil_scoped_release no_gil;
+  const int64_t W = (t.N + 31) / 32;
+  at::Tensor position_ids = at::empty({t.B, t.N}, at::kLong);
+  at::Tensor bits = at::empty({t.B, t.N, W}, at::kInt);
+  const int32_t* p = t.parents.data_ptr<int32_t>();
+  const int32_t* d = t.depth.data_ptr<int32_t>();
+  const int32_t* nn = t.num_nodes.data_ptr<int32_t>();
+  const int64_t* pl = prefix_lens.data_ptr<int64_t>();
+  int64_t* pos = position_ids.data_ptr<int64_t>();
+  int32_t* bp = bits.data_ptr<int32_t>();
+  for_batch(t.B, t.N * W, [&](int64_t b) {
+    taps::tree_mask_one(p + b * t.N, d + b * t.N, nn[b], static_cast<int32_t>(t.N), pl[b], pos + b * t.N,
+                        bp + b * t.N * W);
+  });
+  return {position_ids, bits};
+}
+
+// ------------------------------------------------------------------------------------------------ accept
+std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens_in, const at::Tensor& parents,
+                                      const at::Tensor& num_nodes, const at::Tensor& target_in, int64_t path_len) {
+  check_arg(tokens_in, "tree.tokens", {at::kLong}, {-1, -1});
+  // accept_greedy's reference takes no depth; reuse the tree check with parents standing in for it.
+  const TreeArgs t = check_tree(parents, parents, num_nodes);
+  check_arg(tokens_in, "tree.tokens", {at::kLong}, {t.B, t.N});
+  check_arg(target_in, "target_tokens", {at::kLong}, {t.B, t.N});
+  const int32_t P = check_count("path_len", path_len, 1);
+  const at::Tensor tokens = tokens_in.contiguous(), target = target_in.contiguous();
+  py::gil_scoped_release no_gil;
+  at::Tensor path = at::empty({t.B, P}, at::kLong);
+  at::Tensor accept_len = at::empty({t.B}, at::kLong);
+  at::Tensor next_token = at::empty({t.B}, at::kLong);
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  const int64_t* tg = target.data_ptr<int64_t>();
+  const int32_t* p = t.parents.data_ptr<int32_t>();
+  const int32_t* nn = t.num_nodes.data_ptr<int32_t>();
+  int64_t* pa = path.data_ptr<int64_t>();
+  int64_t* al = accept_len.data_ptr<int64_t>();
+  int64_t* nt = next_token.data_ptr<int64_t>();
+  for_batch(t.B, t.N * 4, [&](int64_t b) {
+    thread_local taps::AcceptWorkspace ws;
+    al[b] = taps::accept_greedy_one(tk + b * t.N, p + b * t.N, nn[b], tg + b * t.N, P, pa + b * P, nt + b, ws);
+  });
+  return {path, accept_len, next_token};
+}
+
+// ------------------------------------------------------------------------------------------------ KV cache
+at::Tensor compact_kv(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                      const at::Tensor& prefix_lens_in, const at::Tensor& path_in) {
+  if (keys.empty() || keys.size() != values.size()) {
+    throw py::value_error("keys/values: expected equally long non-empty lists, received " +
+                          std::to_string(keys.size()) + " and " + std::to_string(values.size()));
+  }
+  check_arg(keys[0], "keys[0]", {at::kFloat, at::kHalf, at::kBFloat16}, {-1, -1, -1, -1});
+  const int64_t B = keys[0].size(0), L = keys[0].size(2);
+  std::vector<taps::KVView> views;
+  for (int group = 0; group < 2; ++group) {
+    const auto& list = group == 0 ? keys : values;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const at::Tensor& c = list[i];
+      const std::string name = std::string(group == 0 ? "keys[" : "values[") + std::to_string(i) + "]";
+      check_arg(c, name, {at::kFloat, at::kHalf, at::kBFloat16}, {B, -1, L, -1});
+      views.push_back({static_cast<char*>(c.data_ptr()), static_cast<int64_t>(c.element_size()), B, c.size(1), L,
+                       c.size(3), c.stride(0), c.stride(1), c.stride(2), c.stride(3)});
+    }
+  }
+  check_arg(prefix_lens_in, "prefix_lens", {at::kLong, at::kInt}, {B});
+  check_arg(path_in, "path", {at::kLong}, {B, -1});
+  const at::Tensor prefix_lens = prefix_lens_in.to(at::kLong).contiguous(), path = path_in.contiguous();
+  const int64_t P = path.size(1);
+  const int64_t* pl = prefix_lens.data_ptr<int64_t>();
+  const int64_t* pa = path.data_ptr<int64_t>();
+  // Everything is checked before the first write: a rejected call leaves every cache untouched.
+  const int64_t bad = taps::check_compact_path(pa, B, P, pl, L);
+  if (bad >= 0) {
+    const int64_t b = bad / P, j = bad % P;
+    throw py::value_error("path[" + std::to_string(b) + "," + std::to_string(j) + "]: expected strictly increasing "
+                          "node indices followed by -1 padding, with 0 <= prefix_lens + node < " + std::to_string(L) +
+                          "; received " + std::to_string(pa[bad]) + " (prefix_lens[" + std::to_string(b) + "] = " +
+                          std::to_string(pl[b]) + ")");
+  }
+  py::gil_scoped_release no_gil;
+  at::Tensor new_lens = at::empty({B}, at::kLong);
+  int64_t* nl = new_lens.data_ptr<int64_t>();
+  std::vector<int64_t> accepted(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t n = 0;
+    while (n < P && pa[b * P + n] >= 0) ++n;
+    accepted[b] = n;
+    nl[b] = pl[b] + n;
+  }
+  // Layers one after another (as the reference), batch rows in parallel: rows of one tensor are disjoint.
+  for (const auto& v : views) {
+    for_batch(B, v.H * P * v.Dh, [&](int64_t b) { taps::compact_kv_row(v, b, pl[b], pa + b * P, accepted[b]); });
+  }
+  return new_lens;
+}
+
+// ------------------------------------------------------------------------------------------------ validation
+std::vector<int64_t> validate_tree(const at::Tensor& tokens_in, const at::Tensor& parents_in, const at::Tensor& depth_in,
+                                   const at::Tensor& num_nodes_in, int64_t vocab_size) {
+  check_arg(tokens_in, "tree.tokens", {at::kLong}, {-1, -1});
+  const int64_t B = tokens_in.size(0), N = tokens_in.size(1);
+  check_arg(parents_in, "tree.parents", {at::kInt}, {B, N});
+  check_arg(depth_in, "tree.depth", {at::kInt}, {B, N});
+  check_arg(num_nodes_in, "tree.num_nodes", {at::kInt}, {B});
+  const at::Tensor tokens = tokens_in.contiguous(), parents = parents_in.contiguous(), depth = depth_in.contiguous(),
+                   num_nodes = num_nodes_in.contiguous();
+  py::gil_scoped_release no_gil;
+  const taps::TreeCheck c = taps::validate_tree(tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(),
+                                                depth.data_ptr<int32_t>(), num_nodes.data_ptr<int32_t>(), B, N, vocab_size);
+  return {static_cast<int64_t>(c.kind), c.b, c.i};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "taps_kernels C++ CPU backend: tree ops on CPU tensors (see taps_kernels/cpp_impls.py and docs/DESIGN.md)";
+  m.def("topk_stats", &topk_stats, "draft_logits [B,D,V] float, top_k -> [topk_logp, topk_ids, entropy, margin, topk_mass]",
+        py::arg("draft_logits"), py::arg("top_k"));
+  m.def("best_first_pool", &best_first_pool,
+        "topk_logp [B,D,K] f32, topk_ids [B,D,K] i64, root_tokens [B] i64, pool_size -> "
+        "[tokens, parents, depth, num_nodes, logq, step_logq, rank]",
+        py::arg("topk_logp"), py::arg("topk_ids"), py::arg("root_tokens"), py::arg("pool_size"));
+  m.def("time_best_first_pool", &time_best_first_pool,
+        "Seconds per best_first_pool call over the whole batch, looped in C++ (outputs allocated once)",
+        py::arg("topk_logp"), py::arg("topk_ids"), py::arg("root_tokens"), py::arg("pool_size"), py::arg("iters"));
+  m.def("propagate_reach", &propagate_reach, "parents [B,N] i32, edge_logq [B,N] f32 -> log_reach [B,N] f32",
+        py::arg("parents"), py::arg("edge_logq"));
+  m.def("select_subtree", &select_subtree, "-> [pool_index [B,max_nodes+1] i64, num_selected [B] i32]",
+        py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("log_reach"), py::arg("max_nodes"),
+        py::arg("latency") = py::none(), py::arg("t0") = 0.0, py::arg("rule") = "reach", py::arg("lambda_node") = 1.0,
+        py::arg("lambda_depth") = 0.002, py::arg("min_utility") = 0.0);
+  m.def("time_select_subtree", &time_select_subtree,
+        "Seconds per select_subtree call over the whole batch, looped in C++ (outputs allocated once)",
+        py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("log_reach"), py::arg("max_nodes"),
+        py::arg("latency") = py::none(), py::arg("t0") = 0.0, py::arg("rule") = "reach", py::arg("lambda_node") = 1.0,
+        py::arg("lambda_depth") = 0.002, py::arg("min_utility") = 0.0, py::arg("iters") = 1000);
+  m.def("tree_mask", &tree_mask, "-> [position_ids [B,N] i64, ancestor_bits [B,N,ceil(N/32)] i32]", py::arg("parents"),
+        py::arg("depth"), py::arg("num_nodes"), py::arg("prefix_lens"));
+  m.def("accept_greedy", &accept_greedy, "-> [path [B,path_len] i64, accept_len [B] i64, next_token [B] i64]",
+        py::arg("tokens"), py::arg("parents"), py::arg("num_nodes"), py::arg("target_tokens"), py::arg("path_len"));
+  m.def("compact_kv", &compact_kv, "In place on every cache tensor [B,H,L,Dh]; -> new_lens [B] i64", py::arg("keys"),
+        py::arg("values"), py::arg("prefix_lens"), py::arg("path"));
+  m.def("validate_tree", &validate_tree,
+        "-> [fault kind (0 ok, see tree_ops.h TreeFault), b, i] of the first structural violation; vocab_size < 0 skips tokens",
+        py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("vocab_size") = -1);
+}

@@ -1,0 +1,370 @@
+// Tree ops on raw host pointers; see tree_ops.h for shapes. Float results are bit-identical to the
+// PyTorch references because every float is produced by the same IEEE operation in the same order:
+// keep this file free of -ffast-math and of reassociated sums.
+#include "tree_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace taps {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Heap order for top-K: "a is worse than b" (smaller value, or same value and larger index).
+// std::push_heap with this comparator keeps the WORST kept element at the front.
+inline bool topk_worse(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+// Max-heap comparator for the best-first search: true when a has LOWER priority than b.
+inline bool pool_lower(const PoolCandidate& a, const PoolCandidate& b) {
+  if (a.score != b.score) return a.score < b.score;
+  if (a.parent != b.parent) return a.parent > b.parent;
+  return a.rank > b.rank;
+}
+
+// Unsigned key increasing with the float; -0.0 is folded onto +0.0 first because the reference compares
+// floats, for which they are equal (order between them then falls to the node index).
+inline uint32_t float_order_key(float f) {
+  f = f + 0.0f;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+void topk_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, TopKWorkspace& ws) {
+  auto& heap = ws.heap;
+  heap.clear();
+  heap.reserve(static_cast<size_t>(K));
+  int64_t i = 0;
+  // Fill with the first K non-NaN entries, then scan: ascending indices mean an equal value met later is
+  // never better, so a strict ">" against the worst kept value is the whole tie rule.
+  for (; i < V && static_cast<int32_t>(heap.size()) < K; ++i) {
+    if (std::isnan(x[i])) continue;
+    heap.emplace_back(x[i], i);
+    std::push_heap(heap.begin(), heap.end(), topk_worse);
+  }
+  for (; i < V; ++i) {
+    const float v = x[i];
+    if (v > heap.front().first) {
+      std::pop_heap(heap.begin(), heap.end(), topk_worse);
+      heap.back() = {v, i};
+      std::push_heap(heap.begin(), heap.end(), topk_worse);
+    }
+  }
+  // sort_heap with "worse" leaves best first.
+  std::sort_heap(heap.begin(), heap.end(), topk_worse);
+  const int32_t got = static_cast<int32_t>(heap.size());
+  for (int32_t k = 0; k < got; ++k) {
+    vals[k] = heap[k].first;
+    ids[k] = heap[k].second;
+  }
+  for (int32_t k = got; k < K; ++k) {  // only reached when the row holds NaNs
+    vals[k] = std::numeric_limits<float>::quiet_NaN();
+    ids[k] = -1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+int32_t best_first_pool_one(const float* topk_logp, const int64_t* topk_ids, int64_t root_token, int32_t D,
+                            int32_t K, int32_t pool_size, int64_t* tokens, int32_t* parents, int32_t* depth,
+                            float* logq, float* step_logq, int32_t* rank, PoolWorkspace& ws) {
+  const int32_t N = pool_size + 1;
+  tokens[0] = root_token;
+  parents[0] = -1;
+  depth[0] = 0;
+  logq[0] = 0.0f;
+  step_logq[0] = 0.0f;
+  rank[0] = -1;
+  auto& heap = ws.heap;
+  heap.clear();
+  // Every pop pushes at most two candidates, so the heap never exceeds pool_size + 1 entries.
+  heap.reserve(static_cast<size_t>(N) + 1);
+  if (D > 0 && K > 0) heap.push_back({0.0f + topk_logp[0], 0, 0});
+  int32_t n = 1;
+  while (!heap.empty() && n < N) {
+    std::pop_heap(heap.begin(), heap.end(), pool_lower);
+    const PoolCandidate c = heap.back();
+    heap.pop_back();
+    const int32_t d = depth[c.parent] + 1;
+    const float step = topk_logp[static_cast<int64_t>(d - 1) * K + c.rank];
+    const float score = logq[c.parent] + step;
+    tokens[n] = topk_ids[static_cast<int64_t>(d - 1) * K + c.rank];
+    parents[n] = c.parent;
+    depth[n] = d;
+    logq[n] = score;
+    step_logq[n] = step;
+    rank[n] = c.rank;
+    if (c.rank + 1 < K) {
+      heap.push_back({logq[c.parent] + topk_logp[static_cast<int64_t>(d - 1) * K + c.rank + 1], c.parent, c.rank + 1});
+      std::push_heap(heap.begin(), heap.end(), pool_lower);
+    }
+    if (d < D) {
+      heap.push_back({score + topk_logp[static_cast<int64_t>(d) * K], n, 0});
+      std::push_heap(heap.begin(), heap.end(), pool_lower);
+    }
+    ++n;
+  }
+  for (int32_t i = n; i < N; ++i) {
+    tokens[i] = 0;
+    parents[i] = -1;
+    depth[i] = 0;
+    logq[i] = kNegInf;
+    step_logq[i] = kNegInf;
+    rank[i] = -1;
+  }
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+void propagate_reach_one(const int32_t* parents, const float* edge_logq, int32_t N, float* log_reach) {
+  if (N < 1) return;
+  log_reach[0] = 0.0f;
+  for (int32_t i = 1; i < N; ++i) {
+    const int32_t p = parents[i];
+    log_reach[i] = p >= 0 ? log_reach[p] + edge_logq[i] : kNegInf;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+namespace {
+
+// Reach rule: nodes ranked by (-e, index); e monotone along paths makes every top-n prefix-closed.
+int32_t select_by_reach(const int32_t* parents, int32_t num_nodes, const float* log_reach, const SelectParams& params,
+                        SelectWorkspace& ws) {
+  const int32_t m = num_nodes - 1;  // non-root candidates
+  auto& eff = ws.eff;
+  eff.resize(static_cast<size_t>(num_nodes));
+  eff[0] = 0.0f;
+  for (int32_t i = 1; i < num_nodes; ++i) {
+    const float a = log_reach[i];
+    const float b = eff[parents[i]];
+    eff[i] = b < a ? b : a;  // Python's min(a, b): b only when strictly smaller
+  }
+  int32_t n = std::min(params.max_nodes, m);
+  if (params.latency != nullptr) n = std::min(n, params.latency_len - 1);
+  auto& keys = ws.keys;
+  keys.resize(static_cast<size_t>(m));
+  for (int32_t i = 1; i < num_nodes; ++i) {
+    keys[i - 1] = (static_cast<uint64_t>(~float_order_key(eff[i])) << 32) | static_cast<uint32_t>(i);
+  }
+  if (params.latency != nullptr) {
+    if (n > 0 && n < m) std::nth_element(keys.begin(), keys.begin() + n, keys.end());
+    std::sort(keys.begin(), keys.begin() + n);
+    // Same double arithmetic, same order as reference/select.py::_throughput_size; first maximum wins.
+    int32_t best_n = 0;
+    double best_val = -std::numeric_limits<double>::infinity();
+    double tau = 1.0;
+    for (int32_t k = 0; k <= n; ++k) {
+      if (k > 0) tau += std::exp(static_cast<double>(eff[static_cast<uint32_t>(keys[k - 1])]));
+      const double val = tau / (params.t0 + params.latency[k]);
+      if (val > best_val) {
+        best_n = k;
+        best_val = val;
+      }
+    }
+    n = best_n;
+  } else if (n > 0 && n < m) {
+    std::nth_element(keys.begin(), keys.begin() + (n - 1), keys.end());
+  }
+  auto& kept = ws.kept;
+  kept.assign(static_cast<size_t>(num_nodes), 0);
+  for (int32_t k = 0; k < n; ++k) kept[static_cast<uint32_t>(keys[k])] = 1;
+  return n;
+}
+
+// Published utility rule: visit nodes by (-u, index), add each with its missing ancestors when they fit.
+int32_t select_by_utility(const int32_t* parents, const int32_t* depth, int32_t num_nodes, const float* log_reach,
+                          const SelectParams& params, SelectWorkspace& ws) {
+  auto& util = ws.util;
+  util.resize(static_cast<size_t>(num_nodes - 1));
+  for (int32_t i = 1; i < num_nodes; ++i) {
+    util[i - 1] = {std::exp(static_cast<double>(log_reach[i])) /
+                       (params.lambda_node + params.lambda_depth * static_cast<double>(depth[i])),
+                   i};
+  }
+  // Max-heap on (u desc, index asc): pop only as many nodes as the walk visits.
+  auto lower = [](const std::pair<double, int32_t>& a, const std::pair<double, int32_t>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  std::make_heap(util.begin(), util.end(), lower);
+  auto& kept = ws.kept;
+  kept.assign(static_cast<size_t>(num_nodes), 0);
+  auto& missing = ws.missing;
+  int32_t chosen = 0;
+  auto end = util.end();
+  while (end != util.begin()) {
+    std::pop_heap(util.begin(), end, lower);
+    --end;
+    const double u = end->first;
+    const int32_t i = end->second;
+    if (u < params.min_utility) break;
+    missing.clear();
+    for (int32_t j = i; j > 0 && !kept[j]; j = parents[j]) missing.push_back(j);
+    if (chosen + static_cast<int32_t>(missing.size()) <= params.max_nodes) {
+      for (int32_t j : missing) kept[j] = 1;
+      chosen += static_cast<int32_t>(missing.size());
+    }
+    if (chosen == params.max_nodes) break;
+  }
+  return chosen;
+}
+
+}  // namespace
+
+int32_t select_subtree_one(const int32_t* parents, const int32_t* depth, int32_t num_nodes, const float* log_reach,
+                           const SelectParams& params, int64_t* pool_index, SelectWorkspace& ws) {
+  const int32_t count = params.rule == Rule::kReach ? select_by_reach(parents, num_nodes, log_reach, params, ws)
+                                                    : select_by_utility(parents, depth, num_nodes, log_reach, params, ws);
+  pool_index[0] = 0;
+  int32_t out = 1;
+  const auto& kept = ws.kept;
+  for (int32_t i = 1; i < num_nodes && out <= count; ++i) {
+    if (kept[i]) pool_index[out++] = i;
+  }
+  for (int32_t k = out; k <= params.max_nodes; ++k) pool_index[k] = -1;
+  return count;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+void tree_mask_one(const int32_t* parents, const int32_t* depth, int32_t num_nodes, int32_t N, int64_t prefix_len,
+                   int64_t* position_ids, int32_t* ancestor_bits) {
+  const int64_t W = (static_cast<int64_t>(N) + 31) / 32;
+  for (int32_t i = 0; i < N; ++i) position_ids[i] = prefix_len + depth[i];
+  std::memset(ancestor_bits, 0, sizeof(int32_t) * static_cast<size_t>(W) * static_cast<size_t>(N));
+  for (int32_t i = 0; i < N; ++i) {
+    uint32_t* row = reinterpret_cast<uint32_t*>(ancestor_bits) + static_cast<int64_t>(i) * W;
+    if (i > 0 && i < num_nodes) {
+      // Parents precede children, so the parent's row is final: copy only its used words.
+      const int32_t p = parents[i];
+      const uint32_t* prow = reinterpret_cast<const uint32_t*>(ancestor_bits) + static_cast<int64_t>(p) * W;
+      std::memcpy(row, prow, sizeof(uint32_t) * static_cast<size_t>(p / 32 + 1));
+    }
+    row[i / 32] |= 1u << (i % 32);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+int64_t accept_greedy_one(const int64_t* tokens, const int32_t* parents, int32_t num_nodes, const int64_t* target,
+                          int32_t path_len, int64_t* path, int64_t* next_token, AcceptWorkspace& ws) {
+  auto& first = ws.first_child;
+  auto& next = ws.next_sibling;
+  first.assign(static_cast<size_t>(num_nodes), -1);
+  next.resize(static_cast<size_t>(num_nodes));
+  // Prepending in descending index order leaves every child list ascending: the first match is the
+  // smallest index, as in the reference's scan.
+  for (int32_t i = num_nodes - 1; i > 0; --i) {
+    const int32_t p = parents[i];
+    next[i] = first[p];
+    first[p] = i;
+  }
+  int32_t cur = 0;
+  int64_t n = 1;
+  path[0] = 0;
+  while (n < path_len) {
+    const int64_t want = target[cur];
+    int32_t child = first[cur];
+    while (child >= 0 && tokens[child] != want) child = next[child];
+    if (child < 0) break;
+    cur = child;
+    path[n++] = cur;
+  }
+  for (int64_t j = n; j < path_len; ++j) path[j] = -1;
+  *next_token = target[cur];
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+int64_t check_compact_path(const int64_t* path, int64_t B, int64_t P, const int64_t* prefix_lens, int64_t L) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* row = path + b * P;
+    for (int64_t j = 0; j < P; ++j) {
+      const int64_t v = row[j];
+      if (v < -1) return b * P + j;
+      if (j > 0 && v >= 0 && (row[j - 1] < 0 || v <= row[j - 1])) return b * P + j;
+      if (v >= 0 && prefix_lens[b] + v >= L) return b * P + j;
+      if (v >= 0 && prefix_lens[b] < 0) return b * P + j;
+    }
+  }
+  return -1;
+}
+
+void compact_kv_row(const KVView& kv, int64_t b, int64_t prefix_len, const int64_t* path, int64_t n) {
+  const bool rows_contiguous = kv.stride_d == 1;
+  const size_t row_bytes = static_cast<size_t>(kv.Dh * kv.elem_size);
+  for (int64_t h = 0; h < kv.H; ++h) {
+    char* base = kv.data + (b * kv.stride_b + h * kv.stride_h) * kv.elem_size;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t src_row = prefix_len + path[j];
+      const int64_t dst_row = prefix_len + j;
+      if (src_row == dst_row) continue;
+      char* dst = base + dst_row * kv.stride_l * kv.elem_size;
+      const char* src = base + src_row * kv.stride_l * kv.elem_size;
+      if (rows_contiguous) {
+        std::memmove(dst, src, row_bytes);
+      } else {
+        for (int64_t d = 0; d < kv.Dh; ++d) {
+          std::memmove(dst + d * kv.stride_d * kv.elem_size, src + d * kv.stride_d * kv.elem_size,
+                       static_cast<size_t>(kv.elem_size));
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+TreeCheck validate_tree(const int64_t* tokens, const int32_t* parents, const int32_t* depth, const int32_t* num_nodes,
+                        int64_t B, int64_t N, int64_t vocab_size) {
+  TreeCheck out;
+  auto fail = [&out](TreeFault kind, int64_t b, int64_t i) {
+    out.kind = kind;
+    out.b = b;
+    out.i = i;
+    return out;
+  };
+  // Phases in the order of layout.validate_tree; within a phase, row-major order.
+  for (int64_t b = 0; b < B; ++b) {
+    if (num_nodes[b] < 1 || num_nodes[b] > N) return fail(TreeFault::kNumNodes, b, -1);
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* par = parents + b * N;
+    for (int64_t i = 1; i < num_nodes[b]; ++i) {
+      if (par[i] < 0 || par[i] >= i) return fail(TreeFault::kParent, b, i);
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    if (parents[b * N] != -1) return fail(TreeFault::kRootParent, b, 0);
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* par = parents + b * N;
+    for (int64_t i = num_nodes[b]; i < N; ++i) {
+      if (par[i] != -1) return fail(TreeFault::kPaddingParent, b, i);
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* par = parents + b * N;
+    const int32_t* dep = depth + b * N;
+    if (dep[0] != 0) return fail(TreeFault::kDepth, b, 0);
+    for (int64_t i = 1; i < num_nodes[b]; ++i) {
+      if (static_cast<int64_t>(dep[i]) != static_cast<int64_t>(dep[par[i]]) + 1) return fail(TreeFault::kDepth, b, i);
+    }
+  }
+  if (vocab_size >= 0) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t* tok = tokens + b * N;
+      for (int64_t i = 0; i < num_nodes[b]; ++i) {
+        if (tok[i] < 0 || tok[i] >= vocab_size) return fail(TreeFault::kToken, b, i);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace taps

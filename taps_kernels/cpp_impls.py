@@ -1,0 +1,66 @@
+"""Registers the C++ CPU backend (``taps_kernels._C``) of every tree op with :mod:`taps_kernels.backend`.
+
+Each function takes exactly the arguments of its reference in :mod:`taps_kernels.reference` and
+returns the same tensors (same shapes, dtypes, node order; bit-identical values). Importing this module
+raises ImportError when the extension is missing or cannot load, which leaves the backend unregistered.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch  # must precede the extension: it loads libc10/libtorch
+
+try:
+    from . import _C
+except Exception as exc:  # ImportError, or an ABI mismatch surfacing as OSError
+    raise ImportError(f"taps_kernels._C is not available ({type(exc).__name__}: {exc})") from exc
+
+from .backend import register
+
+
+@register("topk_stats", "cpp")
+def topk_stats_cpp(draft_logits: torch.Tensor, top_k: int):
+    """``draft_logits [B,D,V]`` -> ``(topk_logp [B,D,K] f32, topk_ids [B,D,K] int64, entropy, margin, topk_mass [B,D] f32)``."""
+    return tuple(_C.topk_stats(draft_logits, top_k))
+
+
+@register("best_first_pool", "cpp")
+def best_first_pool_cpp(topk_logp: torch.Tensor, topk_ids: torch.Tensor, root_tokens: torch.Tensor, pool_size: int):
+    """``topk_logp [B,D,K] f32, topk_ids [B,D,K] int64, root_tokens [B] int64`` ->
+    ``tokens, parents, depth, num_nodes, logq, step_logq, rank`` (``N = pool_size + 1`` rows, pop order)."""
+    return tuple(_C.best_first_pool(topk_logp, topk_ids, root_tokens, pool_size))
+
+
+@register("propagate_reach", "cpp")
+def propagate_reach_cpp(parents: torch.Tensor, edge_logq: torch.Tensor) -> torch.Tensor:
+    """``parents [B,N] int32, edge_logq [B,N] f32`` -> ``log_reach [B,N] f32``."""
+    return _C.propagate_reach(parents, edge_logq)
+
+
+@register("select_subtree", "cpp")
+def select_subtree_cpp(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor, log_reach: torch.Tensor,
+                       max_nodes: int, latency: Optional[torch.Tensor] = None, t0: float = 0.0, rule: str = "reach",
+                       lambda_node: float = 1.0, lambda_depth: float = 0.002, min_utility: float = 0.0):
+    """-> ``(pool_index [B, max_nodes+1] int64, num_selected [B] int32)``: kept pool nodes ascending, -1 padded."""
+    return tuple(_C.select_subtree(parents, depth, num_nodes, log_reach, max_nodes, latency, t0, rule, lambda_node,
+                                   lambda_depth, min_utility))
+
+
+@register("tree_mask", "cpp")
+def tree_mask_cpp(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor, prefix_lens: torch.Tensor):
+    """-> ``(position_ids [B,N] int64, ancestor_bits [B,N,ceil(N/32)] int32)``."""
+    return tuple(_C.tree_mask(parents, depth, num_nodes, prefix_lens))
+
+
+@register("accept_greedy", "cpp")
+def accept_greedy_cpp(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                      target_tokens: torch.Tensor, path_len: int):
+    """-> ``(path [B,path_len] int64 (-1 padded), accept_len [B] int64, next_token [B] int64)``."""
+    return tuple(_C.accept_greedy(tokens, parents, num_nodes, target_tokens, path_len))
+
+
+@register("compact_kv", "cpp")
+def compact_kv_cpp(keys: List[torch.Tensor], values: List[torch.Tensor], prefix_lens: torch.Tensor,
+                   path: torch.Tensor) -> torch.Tensor:
+    """In place on every ``[B,H,L,Dh]`` cache tensor; -> ``new_lens [B] int64``. Checks the path before any write."""
+    return _C.compact_kv(list(keys), list(values), prefix_lens, path)
