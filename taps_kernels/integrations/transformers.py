@@ -1,0 +1,167 @@
+"""Tree attention as a Hugging Face transformers attention implementation (``"taps_tree"``).
+
+Importing this module registers :func:`taps_tree_attention` with transformers' ``AttentionInterface``
+under the name ``"taps_tree"`` (and the standard sdpa mask builder under the same name, so calls
+without a tree behave exactly like ``"sdpa"``). Works with transformers >= 4.56 (including 5.x) for
+models whose attention layers dispatch through ``AttentionInterface`` (Llama, Qwen2/Qwen3, Mistral, ...).
+
+How to verify a tree with an HF target::
+
+    import taps_kernels
+    from taps_kernels.integrations.transformers import TreeAttentionMetadata, tree_forward_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="taps_tree")
+    # or: model.set_attn_implementation("taps_tree") on transformers 5.x
+    cache = DynamicCache()                      # holds prefix_len tokens for every row after the prefill
+    model(input_ids=prompt, past_key_values=cache, use_cache=True)      # no tree: plain sdpa
+    position_ids, meta = tree_forward_inputs(tree, prefix_lens)         # prefix_lens [B] int64 == cache length
+    out = model(input_ids=tree.tokens, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                taps_tree=meta)                                         # logits [B, N, V] of every node
+    # or, for models that do not forward extra kwargs to attention:
+    with use_tree(meta):
+        out = model(input_ids=tree.tokens, position_ids=position_ids, past_key_values=cache, use_cache=True)
+
+Inside each attention layer the tree's N queries attend to the ``L = prefix_len + N`` keys that the
+cache returns (the prefix, then the N tree rows just appended) through
+:func:`taps_kernels.custom_ops.tree_attention` (the ``taps::tree_attention`` op: the Triton kernel on
+CUDA, the cpp/reference backend on CPU; usable under ``torch.compile``): prefix keys are visible,
+tree key j is visible to node i iff bit j of ``ancestor_bits[b, i]`` is set. Position ids must be
+``prefix_lens + depth`` (:func:`tree_forward_inputs` returns them). After acceptance, crop/compact the
+cache with :func:`taps_kernels.compact_kv` on the per-layer key/value tensors.
+
+Limits: every row of the batch must have the same cache length when ``prefix_lens`` is omitted
+(HF's ``DynamicCache`` appends the tree at the same offset for all rows); left padding inside the
+prefix is not masked (prefix keys are always visible); no sliding-window layers, soft-capping or
+attention dropout while a tree is active (these raise).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from .. import custom_ops
+from .._checks import check_tensor
+from ..layout import Tree
+
+ATTN_IMPLEMENTATION = "taps_tree"
+"""Name under which the tree attention is registered (``attn_implementation="taps_tree"``)."""
+
+KWARG = "taps_tree"
+"""Keyword of the model's forward that carries the :class:`TreeAttentionMetadata`."""
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """The tree that the next forward verifies.
+
+    Attributes:
+        ancestor_bits: ``[B, N, ceil(N/32)] int32`` from :func:`taps_kernels.tree_mask` (node order of the
+            forward's ``input_ids``).
+        prefix_lens: optional ``[B] int64`` cached tokens before each tree; the tree of row b occupies keys
+            ``prefix_lens[b] .. prefix_lens[b] + N - 1``. Default: ``L - N`` for every row, where ``L`` is the
+            key length each layer sees (the cache length after appending the tree).
+    """
+
+    ancestor_bits: torch.Tensor
+    prefix_lens: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        check_tensor("ancestor_bits", self.ancestor_bits, dtypes=(torch.int32,), ndim=3)
+        B, N, W = self.ancestor_bits.shape
+        if W != (N + 31) // 32:
+            raise ValueError(f"ancestor_bits: expected {(N + 31) // 32} words per row for {N} nodes, received {W}")
+        if self.prefix_lens is not None:
+            check_tensor("prefix_lens", self.prefix_lens, dtypes=(torch.int64, torch.int32), shape=(B,),
+                         device=self.ancestor_bits.device)
+
+
+def tree_forward_inputs(tree: Tree, prefix_lens: torch.Tensor) -> Tuple[torch.Tensor, TreeAttentionMetadata]:
+    """``(position_ids [B,N] int64, TreeAttentionMetadata)`` for a forward over ``tree.tokens``.
+
+    Builds (and validates) the mask with :func:`taps_kernels.tree_mask`; ``prefix_lens [B] int64``
+    must equal the number of tokens already in the cache for each row.
+    """
+    from ..ops import tree_mask
+
+    position_ids, bits = tree_mask(tree, prefix_lens)
+    return position_ids, TreeAttentionMetadata(bits, prefix_lens.long())
+
+
+_ACTIVE: contextvars.ContextVar[Optional[TreeAttentionMetadata]] = contextvars.ContextVar("taps_tree", default=None)
+
+
+@contextlib.contextmanager
+def use_tree(meta: TreeAttentionMetadata) -> Iterator[TreeAttentionMetadata]:
+    """Make ``meta`` the tree of every ``"taps_tree"`` attention call inside the block (when no
+    ``taps_tree=`` keyword reaches the layer). Eager mode only: torch.compile does not trace context vars."""
+    if not isinstance(meta, TreeAttentionMetadata):
+        raise TypeError(f"meta: expected a TreeAttentionMetadata, received {type(meta).__name__}")
+    token = _ACTIVE.set(meta)
+    try:
+        yield meta
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def taps_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                        dropout: float = 0.0, **kwargs):
+    """transformers attention function: tree attention when a tree is given, sdpa otherwise.
+
+    Args (transformers' attention-function convention):
+        query: ``[B, Hq, N, Dh]``; key/value: ``[B, Hkv, L, Dh]`` (cache + this forward's N rows).
+        attention_mask: ignored when a tree is given (the tree's visibility comes from the metadata).
+        scaling: softmax scale (the module's ``scaling``).
+        kwargs: ``taps_tree=TreeAttentionMetadata`` selects the tree path; the rest goes to sdpa.
+    Returns:
+        ``(attn_output [B, N, Hq, Dh], None)``.
+    """
+    meta = kwargs.pop(KWARG, None)
+    if meta is None:
+        meta = _ACTIVE.get()
+    if meta is None:
+        return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if not isinstance(meta, TreeAttentionMetadata):
+        raise TypeError(f"{KWARG}: expected a TreeAttentionMetadata, received {type(meta).__name__}")
+    if dropout:
+        raise ValueError(f"dropout: tree attention runs without attention dropout, received {dropout}")
+    for name in ("sliding_window", "softcap"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{name}: tree attention does not support it, received {kwargs[name]}")
+    B, _, N, _ = query.shape
+    if tuple(meta.ancestor_bits.shape[:2]) != (B, N):
+        raise ValueError(f"{KWARG}.ancestor_bits: expected {B} trees of {N} nodes (the forward's queries), received "
+                         f"shape {tuple(meta.ancestor_bits.shape)}")
+    prefix_lens = meta.prefix_lens
+    if prefix_lens is None:
+        prefix_lens = torch.full((B,), key.shape[2] - N, dtype=torch.int64, device=query.device)
+    out = custom_ops.tree_attention(query.contiguous(), key.contiguous(), value.contiguous(), meta.ancestor_bits,
+                                    prefix_lens, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = ATTN_IMPLEMENTATION) -> str:
+    """Register :func:`taps_tree_attention` as attention implementation ``name`` (idempotent); return ``name``."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, taps_tree_attention)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError:  # older transformers build the mask from the config's implementation name elsewhere
+        return name
+    # Calls without a tree (prefill, plain decoding) need exactly the mask sdpa would get.
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
+
+
+register()

@@ -1,0 +1,162 @@
+"""The ``taps::`` custom ops: schema/fake/aot checks (opcheck), equality with the references, torch.compile.
+
+Everything runs on CPU (the ops dispatch to the cpp or reference backend there); the CUDA-graph
+capture of the same ops is in tests/test_cuda_kernels.py (marked gpu).
+"""
+import pytest
+import torch
+
+from taps_kernels import custom_ops  # noqa: F401  (registers torch.ops.taps.*)
+from taps_kernels.layout import Tree
+from taps_kernels.reference import (accept_greedy_reference, compact_kv_reference, tree_attention_reference,
+                                    tree_mask_reference)
+
+# Float tolerances of the attention output against the fp32 reference (CPU backends compute in fp32).
+ATTN_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
+def random_tree(B, N, vocab, seed, num_nodes=None, max_children=None):
+    """Random topological trees; row b has ``num_nodes[b]`` real nodes (default N), tokens in [0, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    num_nodes = [N] * B if num_nodes is None else num_nodes
+    parents = torch.full((B, N), -1, dtype=torch.int32)
+    depth = torch.zeros((B, N), dtype=torch.int32)
+    tokens = torch.zeros((B, N), dtype=torch.int64)
+    for b in range(B):
+        tokens[b, 0] = int(torch.randint(vocab, (1,), generator=g))
+        for i in range(1, num_nodes[b]):
+            p = int(torch.randint(i, (1,), generator=g))
+            parents[b, i], depth[b, i] = p, depth[b, p] + 1
+            tokens[b, i] = int(torch.randint(vocab, (1,), generator=g))
+    return Tree(tokens, parents, depth, torch.tensor(num_nodes, dtype=torch.int32))
+
+
+@pytest.fixture
+def case():
+    """Two trees of 37 rows (two mask words, bit 31 used), the second padded after 20 nodes; a tiny
+    vocabulary so that several children carry the target's token (the smallest-index tie rule matters)."""
+    tree = random_tree(2, 37, vocab=3, seed=1, num_nodes=[37, 20])
+    prefix_lens = torch.tensor([5, 11], dtype=torch.int64)
+    target = torch.randint(3, (2, 37), generator=torch.Generator().manual_seed(2))
+    return tree, prefix_lens, target
+
+
+def _cache(B, H, L, Dh, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, L, Dh, generator=g)
+
+
+def test_opcheck_all_ops(case):
+    tree, prefix_lens, target = case
+    _, bits = tree_mask_reference(tree.parents, tree.depth, tree.num_nodes, prefix_lens)
+    L = 11 + 37 + 3
+    path = torch.tensor([[0, 2, 7, -1], [0, 1, -1, -1]])
+    q = _cache(2, 4, 37, 8, 3)
+    checks = {
+        torch.ops.taps.tree_mask: (tree.parents, tree.depth, tree.num_nodes, prefix_lens),
+        torch.ops.taps.accept_greedy: (tree.tokens, tree.parents, tree.num_nodes, target, 6),
+        torch.ops.taps.compact_kv: ([_cache(2, 2, L, 8, 4), _cache(2, 3, L, 4, 5)],
+                                    [_cache(2, 2, L, 8, 6), _cache(2, 3, L, 4, 7)], prefix_lens, path),
+        torch.ops.taps.tree_attention: (q, _cache(2, 2, L, 8, 8), _cache(2, 2, L, 8, 9), bits, prefix_lens, 0.3),
+    }
+    for op, args in checks.items():
+        torch.library.opcheck(op, args)
+
+
+def test_ops_equal_references(case):
+    tree, prefix_lens, target = case
+    pos, bits = custom_ops.tree_mask(tree, prefix_lens)
+    ref_pos, ref_bits = tree_mask_reference(tree.parents, tree.depth, tree.num_nodes, prefix_lens)
+    assert torch.equal(pos, ref_pos) and torch.equal(bits, ref_bits)
+    assert (bits < 0).any(), "the case must exercise bit 31 (the int32 sign bit)"
+
+    max_depth = int(tree.depth.max())
+    got = custom_ops.accept_greedy(tree, target, max_depth)
+    want = accept_greedy_reference(tree.tokens, tree.parents, tree.num_nodes, target, max_depth + 1)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+    L = 11 + 37
+    path = torch.tensor([[0, 2, 7, 30], [0, 1, 3, -1]])
+    keys, values = [_cache(2, 2, L, 8, 10)], [_cache(2, 2, L, 8, 11)]
+    ref_k, ref_v = [keys[0].clone()], [values[0].clone()]
+    new_lens = custom_ops.compact_kv(keys, values, prefix_lens, path)
+    ref_lens = compact_kv_reference(ref_k, ref_v, prefix_lens, path)
+    assert torch.equal(new_lens, ref_lens) and torch.equal(keys[0], ref_k[0]) and torch.equal(values[0], ref_v[0])
+
+    q, k, v = _cache(2, 4, 37, 8, 12), _cache(2, 2, L, 8, 13), _cache(2, 2, L, 8, 14)
+    out, lse = custom_ops.tree_attention(q, k, v, bits, prefix_lens, return_lse=True)
+    ref_out, ref_lse = tree_attention_reference(q, k, v, bits, prefix_lens)
+    torch.testing.assert_close(out, ref_out, **ATTN_TOL[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, **ATTN_TOL[torch.float32])
+
+
+def _round(tree, prefix_lens, q, keys, values, target, max_depth):
+    """One verify round built only from custom ops: mask -> attention -> accept -> compact."""
+    pos, bits = custom_ops.tree_mask(tree, prefix_lens)
+    out = custom_ops.tree_attention(q, keys[0], values[0], bits, prefix_lens)
+    path, accept_len, next_token = custom_ops.accept_greedy(tree, target, max_depth)
+    new_lens = custom_ops.compact_kv(keys, values, prefix_lens, path)
+    return pos, bits, out, path, accept_len, next_token, new_lens
+
+
+def _assert_same(got, want):
+    """Exact equality for the discrete outputs, the tolerance table for the float ones."""
+    for g, w in zip(got, want):
+        if g.is_floating_point():
+            torch.testing.assert_close(g, w, **ATTN_TOL[w.dtype])
+        else:
+            assert torch.equal(g, w)
+
+
+def test_compile_fullgraph(case):
+    """The four ops trace into one graph (no breaks: fullgraph) and mutate the caches like eager does."""
+    tree, prefix_lens, target = case
+    max_depth = int(tree.depth.max())
+    L = 11 + 37 + 2
+    q = _cache(2, 4, 37, 8, 20)
+    keys = [_cache(2, 2, L, 8, 21), _cache(2, 2, L, 8, 22)]
+    values = [_cache(2, 2, L, 8, 23), _cache(2, 2, L, 8, 24)]
+    # Use a target that walks deep, so the compaction really moves rows.
+    walk = tree.tokens.clone()
+    target = torch.zeros_like(tree.tokens)
+    for b in range(2):
+        for i in range(int(tree.num_nodes[b])):
+            kids = [j for j in range(i + 1, int(tree.num_nodes[b])) if int(tree.parents[b, j]) == i]
+            target[b, i] = walk[b, kids[-1]] if kids else 0
+
+    eager_keys, eager_values = [t.clone() for t in keys], [t.clone() for t in values]
+    want = _round(tree, prefix_lens, q, eager_keys, eager_values, target, max_depth)
+    assert int(want[4].max()) >= 3, "the case must accept a few nodes"
+
+    compiled = torch.compile(_round, fullgraph=True, backend="aot_eager")
+    got = compiled(tree, prefix_lens, q, keys, values, target, max_depth)
+    _assert_same(got, want)
+    for g, w in zip(keys + values, eager_keys + eager_values):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_inductor(case):
+    """Same round through Inductor (C++ codegen on CPU: slower to compile, hence slow)."""
+    tree, prefix_lens, target = case
+    max_depth = int(tree.depth.max())
+    L = 11 + 37
+    q, keys, values = _cache(2, 4, 37, 8, 30), [_cache(2, 2, L, 8, 31)], [_cache(2, 2, L, 8, 32)]
+    eager_keys, eager_values = [keys[0].clone()], [values[0].clone()]
+    want = _round(tree, prefix_lens, q, eager_keys, eager_values, target, max_depth)
+    got = torch.compile(_round, fullgraph=True)(tree, prefix_lens, q, keys, values, target, max_depth)
+    _assert_same(got, want)
+    assert torch.equal(keys[0], eager_keys[0]) and torch.equal(values[0], eager_values[0])
+
+
+def test_wrapper_errors_name_the_argument(case):
+    tree, prefix_lens, target = case
+    with pytest.raises(ValueError, match="max_depth"):
+        custom_ops.accept_greedy(tree, target, -1)
+    with pytest.raises(TypeError, match="target_tokens"):
+        custom_ops.accept_greedy(tree, target.int(), 3)
+    with pytest.raises(ValueError, match="prefix_lens"):
+        custom_ops.tree_mask(tree, prefix_lens[:1])
+    with pytest.raises(ValueError, match="path"):
+        custom_ops.compact_kv([_cache(2, 1, 50, 4, 0)], [_cache(2, 1, 50, 4, 1)], prefix_lens, torch.zeros(3, 2).long())
