@@ -1,0 +1,186 @@
+"""``taps bench``: policies on a prompt set through one harness; speedup over AR (and HF ``generate``).
+
+Per (prompt, policy) one JSON line goes to stdout (or ``--jsonl FILE``); the
+summary table goes to stderr so ``taps bench > runs.jsonl`` stays clean;
+``--out FILE.json`` writes the summary. Speedup = AR seconds per output token /
+policy seconds per output token, both measured here, prompts interleaved so
+machine noise hits every policy alike.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+from .common import (add_model_flags, add_sampling_flags, hf_generate_item, load_drafter_cli, load_target_cli,
+                     parse_policies, quiet_warnings, run_item, sampling_from_args, setup_torch, stop_token_ids)
+
+
+def add_subcommand(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark policies on HumanEval, MT-Bench or a JSONL prompt file")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--dataset", choices=("humaneval", "mtbench"), default=None, help="default humaneval")
+    src.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} (or {"turns": [...]}) per line')
+    p.add_argument("--limit", type=int, default=10, help="prompts to run (default 10)")
+    p.add_argument("--policies", default="ar,dflash,ddtree:16", help="comma list; AR is always added")
+    p.add_argument("--out", default=None, help="write the JSON summary here")
+    p.add_argument("--jsonl", default=None, help="write per-prompt records here instead of stdout")
+    p.add_argument("--hf-baseline", action="store_true", help="also time HF generate(do_sample=False)")
+    p.add_argument("--warmup", type=int, default=1, help="short warm-up generations per policy (default 1)")
+    add_sampling_flags(p)
+    p.set_defaults(max_new_tokens=128)
+    add_model_flags(p)
+    p.set_defaults(func=run)
+
+
+def build_decoders(model, tok, drafter, specs: List[str], sampling):
+    from taps.decode import SpeculativeDecoder
+    from taps.decode.policies import make_policy
+
+    stops = stop_token_ids(tok, model)
+    return {s: SpeculativeDecoder(model, make_policy(s), drafter=drafter, sampling=sampling, stop_token_ids=stops)
+            for s in specs}
+
+
+def run_suite(model, tok, decoders: Dict, items, max_new_tokens: int, seed: int = 0, warmup: int = 1,
+              hf_baseline: bool = False, on_record: Optional[Callable[[dict], None]] = None) -> Dict[str, List[dict]]:
+    """Run every item with every decoder (items outer, policies inner). Returns ``{policy: [record, ...]}``;
+    a record is :func:`run_item`'s dict plus ``identical_to_ar``; ``"hf"`` holds the HF baseline if asked."""
+    from taps.data import PromptItem
+
+    warm = PromptItem("warmup", "warmup", ["Say hello."])
+    for dec in decoders.values():
+        for _ in range(warmup):
+            run_item(dec, tok, warm, 8, seed=seed)
+    if hf_baseline and warmup:
+        hf_generate_item(model, tok, warm, 8, stop_token_ids(tok, model), ["hello"])
+    results: Dict[str, List[dict]] = {s: [] for s in decoders}
+    if hf_baseline:
+        results["hf"] = []
+    stops = stop_token_ids(tok, model)
+    for item in items:
+        ar_tokens = None
+        for spec, dec in decoders.items():
+            rec = run_item(dec, tok, item, max_new_tokens, seed=seed)
+            rec["policy"] = spec
+            toks = [t["token_ids"] for t in rec["turns"]]
+            if spec == "ar":
+                ar_tokens = toks
+                ar_answers = [t["text"] for t in rec["turns"]]
+            rec["identical_to_ar"] = (toks == ar_tokens) if ar_tokens is not None else None
+            results[spec].append(rec)
+            if on_record:
+                on_record(rec)
+        if hf_baseline:
+            rec = hf_generate_item(model, tok, item, max_new_tokens, stops, ar_answers)
+            rec.update(id=item.id, source=item.source, policy="hf")
+            rec["tokens_per_s"] = rec["new_tokens"] / rec["seconds"] if rec["seconds"] > 0 else 0.0
+            rec["identical_to_ar"] = [t["token_ids"] for t in rec["turns"]] == ar_tokens
+            results["hf"].append(rec)
+            if on_record:
+                on_record(rec)
+    return results
+
+
+def summarize(results: Dict[str, List[dict]]) -> Dict[str, dict]:
+    """Per policy: tau, tokens/s (median, mean over prompts), speedup over AR, nodes per round, time split."""
+    def per_token(recs):
+        tokens = sum(r["new_tokens"] for r in recs)
+        return sum(r["seconds"] for r in recs) / tokens if tokens else float("nan")
+
+    ar_spt = per_token(results["ar"]) if results.get("ar") else float("nan")
+    out = {}
+    for spec, recs in results.items():
+        if not recs:
+            continue
+        tps = [r["tokens_per_s"] for r in recs]
+        spt = per_token(recs)
+        rounds = sum(r.get("rounds", 0) for r in recs)
+        accepted = sum(sum(r.get("accept_lens", [])) for r in recs)
+        split: Dict[str, float] = {}
+        for r in recs:
+            for k, v in r.get("time_split", {}).items():
+                split[k] = split.get(k, 0.0) + v
+        total = sum(r["seconds"] for r in recs)
+        out[spec] = {
+            "prompts": len(recs),
+            "new_tokens": sum(r["new_tokens"] for r in recs),
+            "seconds": total,
+            "tau": accepted / rounds if rounds else None,
+            "tokens_per_s_median": statistics.median(tps),
+            "tokens_per_s_mean": statistics.fmean(tps),
+            "speedup": ar_spt / spt if spt == spt and spt > 0 else None,
+            "nodes_per_round": sum(r.get("nodes", 0) for r in recs) / rounds if rounds else None,
+            "rounds": rounds,
+            "time_split_s": split,
+            "time_split_frac": {k: v / total for k, v in split.items()} if total > 0 else {},
+            "identical_to_ar": sum(1 for r in recs if r.get("identical_to_ar")),
+        }
+    return out
+
+
+def format_table(summary: Dict[str, dict]) -> str:
+    stages = ("draft", "pool", "scoring", "selection", "verify", "accept", "compaction", "context")
+    head = (f"{'policy':<14}{'tau':>6}{'tok/s med':>11}{'tok/s mean':>11}{'speedup':>9}{'nodes/rd':>9}"
+            f"{'same as AR':>12}  time split (draft/pool/score/select/verify/accept/compact/context, %)")
+    lines = [head, "-" * len(head)]
+    for spec, s in summary.items():
+        tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
+        nodes = f"{s['nodes_per_round']:.1f}" if s["nodes_per_round"] is not None else "-"
+        sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+        frac = s["time_split_frac"]
+        split = "/".join(f"{100 * frac.get(k, 0.0):.0f}" for k in stages) if s["rounds"] else "-"
+        lines.append(f"{spec:<14}{tau:>6}{s['tokens_per_s_median']:>11.2f}{s['tokens_per_s_mean']:>11.2f}{sp:>9}"
+                     f"{nodes:>9}{s['identical_to_ar']:>7}/{s['prompts']:<4}  {split}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from taps.data import load_dataset, load_jsonl
+
+    quiet_warnings()
+    specs = parse_policies(args.policies)
+    if "ar" not in specs:
+        specs = ["ar"] + specs
+    sampling = sampling_from_args(args)
+    if args.limit < 1:
+        from .common import CLIError
+        raise CLIError(f"--limit: expected an integer >= 1, received {args.limit}")
+    items = load_jsonl(args.prompts, args.limit) if args.prompts else load_dataset(args.dataset or "humaneval", args.limit)
+    setup_torch(args)
+    model, tok = load_target_cli(args)
+    from taps.decode.policies import make_policy
+    drafter = load_drafter_cli(args, model) if any(make_policy(s).uses_drafter for s in specs) else None
+    decoders = build_decoders(model, tok, drafter, specs, sampling)
+    sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else sys.stdout
+
+    def emit(rec):
+        sink.write(json.dumps({k: v for k, v in rec.items() if k != "accept_lens"}) + "\n")
+        sink.flush()
+
+    t0 = time.perf_counter()
+    try:
+        results = run_suite(model, tok, decoders, items, args.max_new_tokens, seed=args.seed, warmup=args.warmup,
+                            hf_baseline=args.hf_baseline, on_record=emit)
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    summary = summarize(results)
+    print(format_table(summary), file=sys.stderr)
+    if args.hf_baseline and "hf" in summary:
+        hf, ar = summary["hf"], summary["ar"]
+        print(f"HF generate: {hf['tokens_per_s_median']:.2f} tok/s median vs our AR {ar['tokens_per_s_median']:.2f} "
+              f"(our AR / HF time per token: {1 / hf['speedup']:.3f})", file=sys.stderr)
+    print(f"{len(items)} prompts, {args.max_new_tokens} max new tokens, wall {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    if args.out:
+        meta = {"dataset": args.dataset or ("jsonl:" + args.prompts if args.prompts else "humaneval"),
+                "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "target": args.target,
+                "drafter": args.drafter if drafter is not None else None, "device": args.device, "dtype": args.dtype,
+                "threads": args.threads}
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"config": meta, "policies": summary}, f, indent=1)
+    return 0

