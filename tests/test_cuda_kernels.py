@@ -1,0 +1,260 @@
+"""The plain-CUDA bookkeeping kernels (csrc/cuda): compile-only check here, equality with the references on a GPU.
+
+* ``test_nvcc_*``: nvcc compiles csrc/cuda/tree_kernels.cu for sm_90 with warnings as errors, without
+  torch headers (skipped when nvcc is missing). Runs on CPU-only machines.
+* ``@pytest.mark.gpu`` tests need a CUDA device and the ``taps_kernels._C_cuda`` extension; they are
+  skipped otherwise, unless ``TAPS_REQUIRE_CUDA_EXT=1`` (set by bench/gpu_check.sh) turns a missing
+  extension on a GPU machine into a failure. Discrete outputs must match the references exactly.
+"""
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from taps_kernels import backend
+from taps_kernels.layout import Tree
+from taps_kernels.reference import accept_greedy_reference, compact_kv_reference, tree_mask_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "csrc" / "cuda" / "tree_kernels.cu"
+
+
+def _nvcc():
+    found = shutil.which("nvcc")
+    if found is None and os.environ.get("CUDA_HOME"):
+        candidate = Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"
+        found = str(candidate) if candidate.exists() else None
+    return found
+
+
+def test_tree_kernels_include_no_torch_headers():
+    """tree_kernels.{cu,cuh} must stay compilable by nvcc alone (the CMake object library builds them)."""
+    for path in (KERNELS, KERNELS.with_suffix(".cuh")):
+        includes = re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', path.read_text(), flags=re.M)
+        foreign = [h for h in includes if re.match(r"(torch|ATen|c10|pybind11|Python)", h)]
+        assert not foreign, f"{path.name} includes {foreign}"
+
+
+def test_nvcc_compiles_tree_kernels_sm90(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH or CUDA_HOME): the CUDA kernels cannot be compile-checked here")
+    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra,-Werror",
+           "-c", str(KERNELS), "-o", str(tmp_path / "tree_kernels.o")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
+    assert (tmp_path / "tree_kernels.o").stat().st_size > 0
+
+
+# --- GPU tests ----------------------------------------------------------------------------------------------------
+
+def _cuda_ext_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    mod, why = backend.load_extension("_C_cuda")
+    if mod is None:
+        if os.environ.get("TAPS_REQUIRE_CUDA_EXT") == "1":
+            pytest.fail(f"TAPS_REQUIRE_CUDA_EXT=1 but the CUDA extension is missing: {why}")
+        pytest.skip(why)
+    return mod
+
+
+def _tree(B, N, vocab, seed, shape="random"):
+    """Batch of trees on the host. ``shape``: random / chain (deepest) / star (widest); rows after the
+    first get fewer real nodes (padding)."""
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.full((B, N), -1, dtype=torch.int32)
+    depth = torch.zeros((B, N), dtype=torch.int32)
+    tokens = torch.zeros((B, N), dtype=torch.int64)
+    num_nodes = [N] + [max(1, N - 3 * b - int(torch.randint(N, (1,), generator=g)) // 2) for b in range(1, B)]
+    for b in range(B):
+        tokens[b, : num_nodes[b]] = torch.randint(vocab, (num_nodes[b],), generator=g)
+        for i in range(1, num_nodes[b]):
+            if shape == "chain":
+                p = i - 1
+            elif shape == "star":
+                p = 0
+            else:
+                p = int(torch.randint(max(0, i - 4) if i % 3 else 0, i, (1,), generator=g))
+            parents[b, i], depth[b, i] = p, depth[b, p] + 1
+    return Tree(tokens, parents, depth, torch.tensor(num_nodes, dtype=torch.int32))
+
+
+def _walking_target(tree, seed):
+    """Target tokens that usually continue into some child (long accepted paths), sometimes into none."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randint(1000, 1010, tree.tokens.shape, generator=g)  # tokens no child carries
+    B, N = tree.tokens.shape
+    for b in range(B):
+        for i in range(int(tree.num_nodes[b])):
+            kids = [j for j in range(i + 1, int(tree.num_nodes[b])) if int(tree.parents[b, j]) == i]
+            if kids and int(torch.randint(8, (1,), generator=g)) > 0:
+                target[b, i] = tree.tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]
+    return target
+
+
+SIZES = [1, 2, 31, 32, 33, 97, 300, 1100]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", SIZES)
+@pytest.mark.parametrize("shape", ["random", "chain", "star"])
+def test_tree_mask_matches_reference(N, shape):
+    mod = _cuda_ext_or_skip()
+    tree = _tree(3, N, vocab=7, seed=N, shape=shape)
+    prefix_lens = torch.tensor([0, 5, 1 << 33], dtype=torch.int64)
+    want_pos, want_bits = tree_mask_reference(tree.parents, tree.depth, tree.num_nodes, prefix_lens)
+    dev = tree.to("cuda")
+    pos, bits = mod.tree_mask(dev.parents, dev.depth, dev.num_nodes, prefix_lens.cuda())
+    assert torch.equal(pos.cpu(), want_pos)
+    assert torch.equal(bits.cpu(), want_bits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", SIZES)
+@pytest.mark.parametrize("shape", ["random", "chain", "star"])
+def test_accept_greedy_matches_reference(N, shape):
+    mod = _cuda_ext_or_skip()
+    # vocab 3: many siblings share a token, so the smallest-index rule decides.
+    tree = _tree(4, N, vocab=3, seed=N + 1, shape=shape)
+    target = _walking_target(tree, seed=N)
+    dev, tgt = tree.to("cuda"), target.cuda()
+    max_depth = int(tree.depth.max())
+    for path_len in sorted({1, 2, max_depth + 1, max_depth + 5}):
+        want = accept_greedy_reference(tree.tokens, tree.parents, tree.num_nodes, target, path_len)
+        got = mod.accept_greedy(dev.tokens, dev.parents, dev.num_nodes, tgt, path_len)
+        for name, g, w in zip(("path", "accept_len", "next_token"), got, want):
+            assert torch.equal(g.cpu(), w), f"{name} differs for path_len={path_len}"
+
+
+def _random_paths(B, N, P, seed, prefix_lens, L):
+    """Strictly increasing root-first paths with heavy overlap between sources and destinations."""
+    g = torch.Generator().manual_seed(seed)
+    path = torch.full((B, P), -1, dtype=torch.int64)
+    for b in range(B):
+        room = min(N, L - int(prefix_lens[b]))
+        n = int(torch.randint(1, min(P, room) + 1, (1,), generator=g))
+        rest = torch.randperm(room - 1, generator=g)[: n - 1] + 1
+        path[b, :n] = torch.cat([torch.zeros(1, dtype=torch.int64), rest.sort().values])
+    return path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("Dh", [8, 59, 128])
+def test_compact_kv_matches_reference(dtype, Dh):
+    mod = _cuda_ext_or_skip()  # noqa: F841  (the cuda backend wraps it)
+    from taps_kernels.cuda_impls import compact_kv_cuda
+
+    B, N, P, L_used, L_alloc = 3, 64, 24, 160, 192
+    prefix_lens = torch.tensor([0, 37, 96], dtype=torch.int64)
+    g = torch.Generator().manual_seed(Dh)
+    layers = []
+    for heads in (2, 3, 8):
+        # A view of a longer buffer (static-cache style): strides are not those of a contiguous tensor.
+        buf = torch.randn(B, heads, L_alloc, Dh, generator=g).to(dtype).cuda()
+        layers.append(buf[:, :, :L_used])
+    keys, values = layers, [t.clone() * 2 for t in layers]
+    path = _random_paths(B, N, P, seed=Dh, prefix_lens=prefix_lens, L=L_used)
+    ref_k, ref_v = [t.cpu().clone() for t in keys], [t.cpu().clone() for t in values]
+    want = compact_kv_reference(ref_k, ref_v, prefix_lens, path)
+    got = compact_kv_cuda(keys, values, prefix_lens.cuda(), path.cuda())
+    assert torch.equal(got.cpu(), want)
+    for i, (g_t, w_t) in enumerate(zip(keys + values, ref_k + ref_v)):
+        assert torch.equal(g_t.cpu(), w_t), f"cache tensor {i} differs"
+
+
+@pytest.mark.gpu
+def test_compact_kv_overlap_stress():
+    """Long paths that shift almost every row by a little: each source is some later entry's destination."""
+    _cuda_ext_or_skip()
+    from taps_kernels.cuda_impls import compact_kv_cuda
+
+    B, H, L, Dh, P = 8, 16, 600, 128, 200
+    prefix_lens = torch.arange(B, dtype=torch.int64) * 7
+    path = torch.full((B, P), -1, dtype=torch.int64)
+    for b in range(B):
+        n = P - 5 * b
+        path[b, :n] = torch.arange(n) + (torch.arange(n) > 0).long() * (1 + b % 3)  # 0, then j + shift
+    keys = [torch.randn(B, H, L, Dh, device="cuda", dtype=torch.float16) for _ in range(4)]
+    values = [torch.randn(B, H, L, Dh, device="cuda", dtype=torch.float16) for _ in range(4)]
+    ref_k, ref_v = [t.cpu() for t in keys], [t.cpu() for t in values]
+    want = compact_kv_reference(ref_k, ref_v, prefix_lens, path)
+    got = compact_kv_cuda(keys, values, prefix_lens.cuda(), path.cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), want)
+    for g_t, w_t in zip(keys + values, ref_k + ref_v):
+        assert torch.equal(g_t.cpu(), w_t)
+
+
+@pytest.mark.gpu
+def test_default_backend_and_public_ops_on_cuda():
+    _cuda_ext_or_skip()
+    import taps_kernels
+
+    dev = torch.device("cuda")
+    if os.environ.get("TAPS_BACKEND") is None:
+        for op in ("tree_mask", "accept_greedy", "compact_kv"):
+            assert backend.resolve(op, None, dev)[0] == "cuda"
+    tree = _tree(2, 45, vocab=4, seed=9)
+    target = _walking_target(tree, seed=9)
+    prefix_lens = torch.tensor([3, 8])
+    pos, bits = taps_kernels.tree_mask(tree.to(dev), prefix_lens.cuda(), backend="cuda")
+    want_pos, want_bits = tree_mask_reference(tree.parents, tree.depth, tree.num_nodes, prefix_lens)
+    assert torch.equal(pos.cpu(), want_pos) and torch.equal(bits.cpu(), want_bits)
+    got = taps_kernels.accept_greedy(tree.to(dev), target.cuda(), backend="cuda")
+    want = accept_greedy_reference(tree.tokens, tree.parents, tree.num_nodes, target, int(tree.depth.max()) + 1)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
+
+
+@pytest.mark.gpu
+def test_custom_ops_capture_in_cuda_graph():
+    """mask -> accept -> compact captured once, replayed on new inputs written into the same buffers."""
+    _cuda_ext_or_skip()
+    from taps_kernels import custom_ops
+
+    B, N, H, L, Dh = 2, 40, 4, 128, 64
+    max_depth = N - 1
+    trees = [_tree(B, N, vocab=3, seed=s) for s in (11, 12)]
+    targets = [_walking_target(t, seed=s) for t, s in zip(trees, (11, 12))]
+    prefix_lens = torch.tensor([10, 50], device="cuda")
+    static_tree = trees[0].to("cuda")
+    static_target = targets[0].cuda()
+    keys = [torch.randn(B, H, L, Dh, device="cuda") for _ in range(2)]
+    values = [torch.randn(B, H, L, Dh, device="cuda") for _ in range(2)]
+
+    def round_():
+        pos, bits = custom_ops.tree_mask(static_tree, prefix_lens)
+        path, accept_len, next_token = custom_ops.accept_greedy(static_tree, static_target, max_depth)
+        new_lens = custom_ops.compact_kv(keys, values, prefix_lens, path)
+        return pos, bits, path, accept_len, next_token, new_lens
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        round_()  # warm-up: uploads and caches the compaction table outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = round_()
+
+    tree, target = trees[1], targets[1]
+    for field in ("tokens", "parents", "depth", "num_nodes"):
+        getattr(static_tree, field).copy_(getattr(tree, field))
+    static_target.copy_(target)
+    ref_k, ref_v = [t.cpu() for t in keys], [t.cpu() for t in values]
+    graph.replay()
+    torch.cuda.synchronize()
+
+    want_pos, want_bits = tree_mask_reference(tree.parents, tree.depth, tree.num_nodes, prefix_lens.cpu())
+    want_walk = accept_greedy_reference(tree.tokens, tree.parents, tree.num_nodes, target, max_depth + 1)
+    want_lens = compact_kv_reference(ref_k, ref_v, prefix_lens.cpu(), want_walk[0])
+    for g, w in zip(outs, (want_pos, want_bits) + tuple(want_walk) + (want_lens,)):
+        assert torch.equal(g.cpu(), w)
+    for g, w in zip(keys + values, ref_k + ref_v):
+        assert torch.equal(g.cpu(), w)
