@@ -4,14 +4,16 @@ Public ops (shapes, dtypes and node order in each docstring; tree layout in
 :mod:`taps_kernels.layout`): :func:`candidate_pool`, :func:`topk_stats`,
 :func:`best_first_pool`, :func:`propagate_reach`, :func:`select_subtree`,
 :func:`tree_mask`, :func:`ancestor_bits_to_additive_mask`,
-:func:`tree_attention`, :func:`accept_greedy`, :func:`compact_kv`.
+:func:`tree_attention`, :func:`accept_greedy`, :func:`compact_kv`,
+:func:`score_edges` (weights: :class:`ScorerWeights`).
 Every op takes ``backend=`` ("reference", "cpp", "triton", "cuda"); the default
 is chosen in :mod:`taps_kernels.backend`.
 """
 from .backend import BackendUnavailable, available_backends, warn_if_cpp_missing
 from .layout import CandidatePool, Selection, TopKStats, Tree
 from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool, candidate_pool, compact_kv,
-                  propagate_reach, select_subtree, topk_stats, tree_attention, tree_mask)
+                  propagate_reach, score_edges, select_subtree, topk_stats, tree_attention, tree_mask)
+from .reference.score import ScorerWeights
 
 __version__ = "0.1.0"
 
@@ -21,4 +23,5 @@ __all__ = [
     "Tree", "CandidatePool", "TopKStats", "Selection", "BackendUnavailable", "available_backends",
     "candidate_pool", "topk_stats", "best_first_pool", "propagate_reach", "select_subtree", "tree_mask",
     "ancestor_bits_to_additive_mask", "tree_attention", "accept_greedy", "compact_kv",
+    "score_edges", "ScorerWeights",
 ]

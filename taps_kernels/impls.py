@@ -10,6 +10,7 @@ import importlib
 
 from . import reference as ref
 from .backend import register
+from .reference.score import score_edges_reference
 
 register("topk_stats", "reference", gpu_order=("triton",))(ref.topk_stats_reference)
 register("best_first_pool", "reference", gpu_order=("cuda",))(ref.best_first_pool_reference)
@@ -19,6 +20,7 @@ register("tree_mask", "reference", gpu_order=("cuda",))(ref.tree_mask_reference)
 register("tree_attention", "reference", gpu_order=("triton",))(ref.tree_attention_reference)
 register("accept_greedy", "reference", gpu_order=("cuda",))(ref.accept_greedy_reference)
 register("compact_kv", "reference", gpu_order=("cuda",))(ref.compact_kv_reference)
+register("score_edges", "reference", gpu_order=("triton",))(score_edges_reference)
 
 for _module in ("taps_kernels.cpp_impls", "taps_kernels.cuda_impls", "taps_kernels.triton"):
     try:

@@ -5,7 +5,9 @@ from .kv import compact_kv
 from .mask import ancestor_bits_to_additive_mask, tree_mask
 from .pool import best_first_pool, candidate_pool, topk_stats
 from .reach import propagate_reach
+from .score import score_edges
 from .select import select_subtree
 
 __all__ = ["accept_greedy", "tree_attention", "compact_kv", "ancestor_bits_to_additive_mask", "tree_mask",
-           "best_first_pool", "candidate_pool", "topk_stats", "propagate_reach", "select_subtree"]
+           "best_first_pool", "candidate_pool", "topk_stats", "propagate_reach", "select_subtree",
+           "score_edges"]

@@ -1,0 +1,23 @@
+"""Triton backend: fused top-K statistics, edge scoring with reach propagation, tree attention.
+
+Importing this package registers the ``"triton"`` implementations with
+:mod:`taps_kernels.backend` (same call signatures as the references registered in
+``taps_kernels.impls``). It raises ImportError when triton is missing, which leaves the
+backend unregistered. Kernels run on CUDA tensors, or on CPU tensors under the
+interpreter (``TRITON_INTERPRET=1`` set before this package is imported).
+"""
+try:
+    import triton  # noqa: F401
+except Exception as exc:  # a broken install must disable the backend, not the package
+    raise ImportError(f"taps_kernels.triton needs triton: {exc}") from exc
+
+from ..backend import register
+from .edge_score import score_edges_triton
+from .topk_stats import topk_stats_triton
+from .tree_attention import tree_attention_triton
+
+register("topk_stats", "triton")(topk_stats_triton)
+register("tree_attention", "triton")(tree_attention_triton)
+register("score_edges", "triton")(score_edges_triton)
+
+__all__ = ["topk_stats_triton", "tree_attention_triton", "score_edges_triton"]
