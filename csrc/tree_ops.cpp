@@ -20,13 +20,6 @@ inline bool topk_worse(const std::pair<float, int64_t>& a, const std::pair<float
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// Max-heap comparator for the best-first search: true when a has LOWER priority than b.
-inline bool pool_lower(const PoolCandidate& a, const PoolCandidate& b) {
-  if (a.score != b.score) return a.score < b.score;
-  if (a.parent != b.parent) return a.parent > b.parent;
-  return a.rank > b.rank;
-}
-
 // Unsigned key increasing with the float; -0.0 is folded onto +0.0 first because the reference compares
 // floats, for which they are equal (order between them then falls to the node index).
 inline uint32_t float_order_key(float f) {
@@ -73,9 +66,121 @@ void topk_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, T
 }
 
 // ---------------------------------------------------------------------------------------------------------
+namespace {
+
+// Binary min-heap on a vector, ordered by before(a, b) ("a comes out first"). replace_top walks the hole
+// to a leaf along the better child and sifts the new element up from there (Floyd): about half the
+// comparisons of a plain sift-down, which matters because each one is a mispredicted branch.
+template <class T, class Before>
+void heap_push(std::vector<T>& h, const T& x, Before before) {
+  size_t i = h.size();
+  h.push_back(x);
+  while (i > 0) {
+    const size_t p = (i - 1) / 2;
+    if (!before(x, h[p])) break;
+    h[i] = h[p];
+    i = p;
+  }
+  h[i] = x;
+}
+
+template <class T, class Before>
+void heap_replace_top(std::vector<T>& h, const T& x, Before before) {
+  const size_t n = h.size();
+  size_t i = 0;
+  for (;;) {
+    size_t c = 2 * i + 1;
+    if (c >= n) break;
+    if (c + 1 < n && before(h[c + 1], h[c])) ++c;
+    h[i] = h[c];
+    i = c;
+  }
+  while (i > 0) {
+    const size_t p = (i - 1) / 2;
+    if (!before(x, h[p])) break;
+    h[i] = h[p];
+    i = p;
+  }
+  h[i] = x;
+}
+
+template <class T, class Before>
+void heap_pop(std::vector<T>& h, Before before) {
+  const T last = h.back();
+  h.pop_back();
+  if (!h.empty()) heap_replace_top(h, last, before);
+}
+
+// Candidate encodings; both give the order (score desc, parent asc, rank asc).
+struct PackedCodec {
+  using T = uint64_t;
+  int rank_bits;
+  T make(float score, int32_t parent, int32_t rank) const {
+    return (static_cast<uint64_t>(~float_order_key(score)) << 32) |
+           ((static_cast<uint64_t>(parent) << rank_bits) | static_cast<uint64_t>(rank));
+  }
+  int32_t parent(T k) const { return static_cast<int32_t>((k & 0xFFFFFFFFu) >> rank_bits); }
+  int32_t rank(T k) const { return static_cast<int32_t>(k & ((uint64_t{1} << rank_bits) - 1)); }
+  static bool before(T a, T b) { return a < b; }
+};
+
+struct RecordCodec {
+  using T = PoolCandidate;
+  T make(float score, int32_t parent, int32_t rank) const { return {score, parent, rank}; }
+  int32_t parent(const T& c) const { return c.parent; }
+  int32_t rank(const T& c) const { return c.rank; }
+  static bool before(const T& a, const T& b) {
+    if (a.score != b.score) return a.score > b.score;
+    if (a.parent != b.parent) return a.parent < b.parent;
+    return a.rank < b.rank;
+  }
+};
+
+template <class Codec>
+int32_t best_first_search(const float* topk_logp, const int64_t* topk_ids, int32_t D, int32_t K, int32_t N,
+                          const Codec& codec, std::vector<typename Codec::T>& heap, int64_t* tokens,
+                          int32_t* parents, int32_t* depth, float* logq, float* step_logq, int32_t* rank) {
+  auto before = &Codec::before;
+  heap.clear();
+  // Every pop pushes at most two candidates, so the heap never exceeds N + 1 entries.
+  heap.reserve(static_cast<size_t>(N) + 2);
+  if (D > 0 && K > 0) heap.push_back(codec.make(0.0f + topk_logp[0], 0, 0));
+  int32_t n = 1;
+  while (!heap.empty() && n < N) {
+    const auto top = heap[0];
+    const int32_t parent = codec.parent(top);
+    const int32_t r = codec.rank(top);
+    const int32_t d = depth[parent] + 1;
+    const float* row = topk_logp + static_cast<int64_t>(d - 1) * K;
+    const float step = row[r];
+    const float score = logq[parent] + step;
+    tokens[n] = topk_ids[static_cast<int64_t>(d - 1) * K + r];
+    parents[n] = parent;
+    depth[n] = d;
+    logq[n] = score;
+    step_logq[n] = step;
+    rank[n] = r;
+    const bool sibling = r + 1 < K;
+    const bool child = d < D;
+    // The popped slot is reused for the first push: one heap pass instead of two.
+    if (sibling) {
+      heap_replace_top(heap, codec.make(logq[parent] + row[r + 1], parent, r + 1), before);
+      if (child) heap_push(heap, codec.make(score + row[K], n, 0), before);
+    } else if (child) {
+      heap_replace_top(heap, codec.make(score + row[K], n, 0), before);
+    } else {
+      heap_pop(heap, before);
+    }
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
 int32_t best_first_pool_one(const float* topk_logp, const int64_t* topk_ids, int64_t root_token, int32_t D,
                             int32_t K, int32_t pool_size, int64_t* tokens, int32_t* parents, int32_t* depth,
-                            float* logq, float* step_logq, int32_t* rank, PoolWorkspace& ws) {
+                            float* logq, float* step_logq, int32_t* rank, PoolWorkspace& ws, bool packed_keys) {
   const int32_t N = pool_size + 1;
   tokens[0] = root_token;
   parents[0] = -1;
@@ -83,34 +188,17 @@ int32_t best_first_pool_one(const float* topk_logp, const int64_t* topk_ids, int
   logq[0] = 0.0f;
   step_logq[0] = 0.0f;
   rank[0] = -1;
-  auto& heap = ws.heap;
-  heap.clear();
-  // Every pop pushes at most two candidates, so the heap never exceeds pool_size + 1 entries.
-  heap.reserve(static_cast<size_t>(N) + 1);
-  if (D > 0 && K > 0) heap.push_back({0.0f + topk_logp[0], 0, 0});
-  int32_t n = 1;
-  while (!heap.empty() && n < N) {
-    std::pop_heap(heap.begin(), heap.end(), pool_lower);
-    const PoolCandidate c = heap.back();
-    heap.pop_back();
-    const int32_t d = depth[c.parent] + 1;
-    const float step = topk_logp[static_cast<int64_t>(d - 1) * K + c.rank];
-    const float score = logq[c.parent] + step;
-    tokens[n] = topk_ids[static_cast<int64_t>(d - 1) * K + c.rank];
-    parents[n] = c.parent;
-    depth[n] = d;
-    logq[n] = score;
-    step_logq[n] = step;
-    rank[n] = c.rank;
-    if (c.rank + 1 < K) {
-      heap.push_back({logq[c.parent] + topk_logp[static_cast<int64_t>(d - 1) * K + c.rank + 1], c.parent, c.rank + 1});
-      std::push_heap(heap.begin(), heap.end(), pool_lower);
-    }
-    if (d < D) {
-      heap.push_back({score + topk_logp[static_cast<int64_t>(d) * K], n, 0});
-      std::push_heap(heap.begin(), heap.end(), pool_lower);
-    }
-    ++n;
+  int rank_bits = 0;
+  while (rank_bits < 31 && (int64_t{1} << rank_bits) < K) ++rank_bits;
+  // Pushed parents go up to pool_size and ranks up to K - 1 < 2^rank_bits: both must fit in 32 bits.
+  const bool fits = (static_cast<uint64_t>(pool_size) + 1) << rank_bits <= (uint64_t{1} << 32);
+  int32_t n;
+  if (packed_keys && fits) {
+    n = best_first_search(topk_logp, topk_ids, D, K, N, PackedCodec{rank_bits}, ws.keys, tokens, parents, depth, logq,
+                          step_logq, rank);
+  } else {
+    n = best_first_search(topk_logp, topk_ids, D, K, N, RecordCodec{}, ws.records, tokens, parents, depth, logq,
+                          step_logq, rank);
   }
   for (int32_t i = n; i < N; ++i) {
     tokens[i] = 0;

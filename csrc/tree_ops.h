@@ -31,17 +31,23 @@ void topk_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, T
 // (tokens 0, parents -1, depth 0, logq = step_logq = -inf, rank -1); returns num_nodes.
 // Candidate (parent, rank) scores logq[parent] + topk_logp[depth(parent), rank] in float32; priority:
 // larger score, then smaller parent index, then smaller rank.
+// The heap holds one 64-bit key per candidate (score order in the high half, parent and rank packed in
+// the low half) so that every comparison is one integer compare; when parent and rank do not fit in 32
+// bits (pool_size << ceil(log2 K) >= 2^32) it holds (score, parent, rank) records instead. Both orders
+// are the same total order, so the pool does not depend on the path (packed_keys=false forces the
+// record heap, for tests).
 struct PoolCandidate {
   float score;
   int32_t parent;
   int32_t rank;
 };
 struct PoolWorkspace {
-  std::vector<PoolCandidate> heap;
+  std::vector<uint64_t> keys;
+  std::vector<PoolCandidate> records;
 };
 int32_t best_first_pool_one(const float* topk_logp, const int64_t* topk_ids, int64_t root_token, int32_t D,
                             int32_t K, int32_t pool_size, int64_t* tokens, int32_t* parents, int32_t* depth,
-                            float* logq, float* step_logq, int32_t* rank, PoolWorkspace& ws);
+                            float* logq, float* step_logq, int32_t* rank, PoolWorkspace& ws, bool packed_keys = true);
 
 // ---------------------------------------------------------------------------------------------------------
 // log_reach [N] float32: 0 at node 0, -inf where i > 0 and parents[i] == -1, else

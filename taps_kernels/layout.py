@@ -81,6 +81,15 @@ def validate_tree(tree: Tree, name: str = "tree", vocab_size: Optional[int] = No
     check_tensor(f"{name}.num_nodes", tree.num_nodes, dtypes=(torch.int32,), shape=(B,), device=tokens.device)
     if not deep:
         return
+    if tokens.device.type == "cpu":
+        # Fast path: one C++ pass over the batch. It only answers "valid or not"; on a fault the
+        # PyTorch checks below run and raise, so the messages have one source.
+        from . import backend as _backend
+        ext, _ = _backend.load_extension("_C")
+        if ext is not None:
+            vocab = -1 if vocab_size is None else int(vocab_size)
+            if int(ext.validate_tree(tokens, tree.parents, tree.depth, tree.num_nodes, vocab)[0]) == 0:
+                return
     parents = tree.parents.detach().cpu().long()
     depth = tree.depth.detach().cpu().long()
     num_nodes = tree.num_nodes.detach().cpu().long()

@@ -110,6 +110,17 @@ void test_best_first_pool_against_enumeration() {
       const int32_t n = taps::best_first_pool_one(lp.data(), ids.data(), 77, D, K, pool, tokens.data(), parents.data(),
                                                   depth.data(), logq.data(), step.data(), rank.data(), ws);
       CHECK_EQ(n, std::min(pool, total) + 1);
+      {
+        // The record heap (used when packed keys do not fit) must give the very same pool.
+        std::vector<int64_t> tokens2(N);
+        std::vector<int32_t> parents2(N), depth2(N), rank2(N);
+        std::vector<float> logq2(N), step2(N);
+        CHECK_EQ(taps::best_first_pool_one(lp.data(), ids.data(), 77, D, K, pool, tokens2.data(), parents2.data(),
+                                           depth2.data(), logq2.data(), step2.data(), rank2.data(), ws, false), n);
+        CHECK(tokens2 == tokens && parents2 == parents && depth2 == depth && rank2 == rank);
+        CHECK(std::memcmp(logq2.data(), logq.data(), sizeof(float) * N) == 0);
+        CHECK(std::memcmp(step2.data(), step.data(), sizeof(float) * N) == 0);
+      }
       CHECK_EQ(tokens[0], 77);
       CHECK_EQ(parents[0], -1);
       // Each node's rank path, rebuilt from parents.
@@ -144,16 +155,18 @@ void test_best_first_pool_ties() {
   std::vector<int32_t> parents(pool + 1), depth(pool + 1), rank(pool + 1);
   std::vector<float> logq(pool + 1), step(pool + 1);
   taps::PoolWorkspace ws;
-  taps::best_first_pool_one(lp.data(), ids.data(), 5, D, K, pool, tokens.data(), parents.data(), depth.data(),
-                            logq.data(), step.data(), rank.data(), ws);
-  // pops: (0,r0)->1, (0,r1)->2, (1,r0)->3, (1,r1)->4, (2,r0)->5, (2,r1)->6
-  const int32_t want_parent[] = {-1, 0, 0, 1, 1, 2, 2};
-  const int32_t want_rank[] = {-1, 0, 1, 0, 1, 0, 1};
-  const int64_t want_tok[] = {5, 10, 11, 20, 21, 20, 21};
-  for (int i = 0; i <= pool; ++i) {
-    CHECK_EQ(parents[i], want_parent[i]);
-    CHECK_EQ(rank[i], want_rank[i]);
-    CHECK_EQ(tokens[i], want_tok[i]);
+  for (bool packed : {true, false}) {
+    taps::best_first_pool_one(lp.data(), ids.data(), 5, D, K, pool, tokens.data(), parents.data(), depth.data(),
+                              logq.data(), step.data(), rank.data(), ws, packed);
+    // pops: (0,r0)->1, (0,r1)->2, (1,r0)->3, (1,r1)->4, (2,r0)->5, (2,r1)->6
+    const int32_t want_parent[] = {-1, 0, 0, 1, 1, 2, 2};
+    const int32_t want_rank[] = {-1, 0, 1, 0, 1, 0, 1};
+    const int64_t want_tok[] = {5, 10, 11, 20, 21, 20, 21};
+    for (int i = 0; i <= pool; ++i) {
+      CHECK_EQ(parents[i], want_parent[i]);
+      CHECK_EQ(rank[i], want_rank[i]);
+      CHECK_EQ(tokens[i], want_tok[i]);
+    }
   }
 }
 
