@@ -90,8 +90,10 @@ def _walking_target(tree, seed):
     target = torch.randint(1000, 1010, tree.tokens.shape, generator=g)  # tokens no child carries
     B, N = tree.tokens.shape
     for b in range(B):
-        for i in range(int(tree.num_nodes[b])):
-            kids = [j for j in range(i + 1, int(tree.num_nodes[b])) if int(tree.parents[b, j]) == i]
+        children = [[] for _ in range(N)]
+        for j in range(1, int(tree.num_nodes[b])):
+            children[int(tree.parents[b, j])].append(j)
+        for i, kids in enumerate(children):
             if kids and int(torch.randint(8, (1,), generator=g)) > 0:
                 target[b, i] = tree.tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]
     return target
