@@ -50,6 +50,182 @@ def test_nvcc_compiles_tree_kernels_sm90(tmp_path):
     assert (tmp_path / "tree_kernels.o").stat().st_size > 0
 
 
+# --- CPU emulation of the kernels ------------------------------------------------------------------------------
+# CPU-only machines cannot run the kernels, but they can run the same source: tree_kernels.cu is
+# compiled by g++ against a tiny shim (one std::thread per CUDA thread, a std::barrier per block for
+# __syncthreads, blocks one after another, __shared__ as a static shared by the block's threads).
+# This checks the kernels' logic (bit packing, the block-wide walk, the chunked in-place gather)
+# against the references; it does not check GPU memory ordering across blocks (the gpu tests do).
+
+_SHIM = r"""
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <thread>
+#include <vector>
+struct dim3 { unsigned x, y, z; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
+struct uint3 { unsigned x, y, z; };
+struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
+inline thread_local uint3 threadIdx, blockIdx;
+inline thread_local dim3 blockDim, gridDim;
+inline thread_local std::barrier<>* emu_barrier = nullptr;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+typedef int cudaError_t;
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+typedef void* cudaStream_t;
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
+inline int atomicMin(int* a, int v) {
+  std::atomic_ref<int> r(*a);
+  int old = r.load();
+  while (v < old && !r.compare_exchange_weak(old, v)) {}
+  return old;
+}
+using std::min;
+template <class K, class... A> void emu_launch(K kernel, dim3 grid, dim3 block, A... args) {
+  const unsigned nt = block.x * block.y * block.z;
+  for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y) for (unsigned x = 0; x < grid.x; ++x) {
+    std::barrier<> bar(nt);
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < nt; ++t) threads.emplace_back([&, t] {
+      threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+      blockIdx = {x, y, z}; blockDim = block; gridDim = grid; emu_barrier = &bar;
+      kernel(args...);
+      bar.arrive_and_drop();  // a thread that returned early no longer takes part in barriers
+    });
+    for (auto& th : threads) th.join();
+  }
+}
+"""
+
+_EXPORTS = r"""
+extern "C" {
+int emu_tree_mask(const int32_t* p, const int32_t* d, const int32_t* n, const int64_t* pl, int64_t B, int64_t N,
+                  int64_t* pos, int32_t* bits) {
+  return taps::cuda::launch_tree_mask(p, d, n, pl, B, N, pos, bits, nullptr);
+}
+int emu_accept(const int64_t* t, const int32_t* p, const int32_t* n, const int64_t* tg, int64_t B, int64_t N,
+               int64_t P, int64_t* path, int64_t* len, int64_t* next) {
+  return taps::cuda::launch_accept_greedy(t, p, n, tg, B, N, P, path, len, next, nullptr);
+}
+int emu_compact(const int64_t* table, int64_t T, int64_t B, int64_t L, int64_t heads, int64_t units, int unit,
+                const int64_t* pl, const int64_t* path, int64_t P) {
+  return taps::cuda::launch_compact_kv(table, T, B, L, heads, units, unit, pl, path, P, nullptr);
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernels of tree_kernels.cu built for the CPU shim; returns a ctypes library."""
+    import ctypes
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the CPU emulation of the CUDA kernels")
+    d = tmp_path_factory.mktemp("emu")
+    (d / "shim.h").write_text(_SHIM)
+    (d / "cuda_runtime.h").write_text("#pragma once\n")
+    src = KERNELS.read_text().replace('#include "tree_kernels.cuh"', f'#include "{KERNELS.with_suffix(".cuh")}"')
+    src, launches = re.subn(r"([A-Za-z_]+(?:<[A-Za-z_]+>)?)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(",
+                            r"emu_launch(\1, \2, \3, ", src)
+    assert launches == 3, f"expected 3 kernel launches in {KERNELS.name} to rewrite, found {launches}"
+    (d / "emu.cpp").write_text(src + _EXPORTS)
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-include", str(d / "shim.h"), f"-I{d}",
+           str(d / "emu.cpp"), "-o", str(d / "libemu.so")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if res.returncode != 0 and "barrier" in res.stderr:
+        pytest.skip(f"{cxx} lacks C++20 <barrier>: {res.stderr[-300:]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return ctypes.CDLL(str(d / "libemu.so"))
+
+
+def _ptr(t):
+    import ctypes
+
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def test_emulated_tree_mask_and_accept_match_reference(emulated):
+    import ctypes
+
+    i64 = ctypes.c_int64
+    for N, shape in [(1, "random"), (33, "random"), (97, "random"), (70, "chain"), (40, "star")]:
+        tree = _tree(3, N, vocab=3, seed=N, shape=shape)
+        prefix_lens = torch.tensor([0, 5, 1 << 33], dtype=torch.int64)
+        B = tree.batch_size
+        pos = torch.empty(B, N, dtype=torch.int64)
+        bits = torch.full((B, N, (N + 31) // 32), 0x5A5A, dtype=torch.int32)  # garbage: every word must be written
+        assert emulated.emu_tree_mask(_ptr(tree.parents), _ptr(tree.depth), _ptr(tree.num_nodes), _ptr(prefix_lens),
+                                      i64(B), i64(N), _ptr(pos), _ptr(bits)) == 0
+        want_pos, want_bits = tree_mask_reference(tree.parents, tree.depth, tree.num_nodes, prefix_lens)
+        assert torch.equal(pos, want_pos) and torch.equal(bits, want_bits), (N, shape)
+
+        target = _walking_target(tree, seed=N)
+        for path_len in sorted({1, 2, int(tree.depth.max()) + 1}):
+            path = torch.full((B, path_len), 99, dtype=torch.int64)
+            got = (path, torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64))
+            assert emulated.emu_accept(_ptr(tree.tokens), _ptr(tree.parents), _ptr(tree.num_nodes), _ptr(target),
+                                       i64(B), i64(N), i64(path_len), *(_ptr(t) for t in got)) == 0
+            want = accept_greedy_reference(tree.tokens, tree.parents, tree.num_nodes, target, path_len)
+            for name, g, w in zip(("path", "accept_len", "next_token"), got, want):
+                assert torch.equal(g, w), f"{name}: N={N} {shape} path_len={path_len}"
+
+
+@pytest.mark.parametrize("dtype,Dh", [(torch.float32, 59), (torch.float16, 8), (torch.bfloat16, 59)])
+def test_emulated_compact_kv_matches_reference(emulated, dtype, Dh):
+    """Runs the cuda backend's own table builder (taps_kernels.cuda_impls) against the emulated kernel."""
+    import ctypes
+    import importlib
+    import sys
+    import types
+
+    fake = types.ModuleType("taps_kernels._C_cuda")
+    i64 = ctypes.c_int64
+
+    def compact(table, B, L, heads, units, unit, prefix_lens, path):
+        assert emulated.emu_compact(_ptr(table), i64(table.shape[0]), i64(B), i64(L), i64(heads), i64(units),
+                                    ctypes.c_int(unit), _ptr(prefix_lens), _ptr(path), i64(path.shape[1])) == 0
+
+    fake.compact_kv, fake.COMPACT_NUM_FIELDS = compact, 6
+    saved = {k: sys.modules.get(k) for k in ("taps_kernels._C_cuda", "taps_kernels.cuda_impls")}
+    saved_cache = dict(backend._EXT_CACHE)
+    backend._EXT_CACHE.pop("_C_cuda", None)
+    sys.modules["taps_kernels._C_cuda"] = fake
+    sys.modules.pop("taps_kernels.cuda_impls", None)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)  # CPU-only torch cannot pin
+            mp.setattr(backend, "_IMPLS", dict(backend._IMPLS))  # the re-import registers a fake "cuda" backend
+            cuda_impls = importlib.import_module("taps_kernels.cuda_impls")
+            B, N, P, L_used = 3, 64, 24, 160
+            prefix_lens = torch.tensor([0, 37, 96], dtype=torch.int64)
+            g = torch.Generator().manual_seed(Dh)
+            keys = [torch.randn(B, h, 192, Dh, generator=g).to(dtype)[:, :, :L_used] for h in (2, 3)]
+            values = [t.clone() * 2 for t in keys]
+            path = _random_paths(B, N, P, seed=Dh, prefix_lens=prefix_lens, L=L_used)
+            ref_k, ref_v = [t.clone() for t in keys], [t.clone() for t in values]
+            want = compact_kv_reference(ref_k, ref_v, prefix_lens, path)
+            got = cuda_impls.compact_kv_cuda(keys, values, prefix_lens, path)
+    finally:
+        for k, v in saved.items():
+            sys.modules.pop(k, None)
+            if v is not None:
+                sys.modules[k] = v
+        backend._EXT_CACHE.clear()
+        backend._EXT_CACHE.update(saved_cache)
+    assert torch.equal(got, want)
+    for i, (g_t, w_t) in enumerate(zip(keys + values, ref_k + ref_v)):
+        assert torch.equal(g_t, w_t), f"cache tensor {i} differs"
+
+
 # --- GPU tests ----------------------------------------------------------------------------------------------------
 
 def _cuda_ext_or_skip():
