@@ -164,3 +164,25 @@ def test_metadata_errors_name_the_argument():
     wrong = taps_hf.TreeAttentionMetadata(torch.zeros(2, 5, 1, dtype=torch.int32))  # 5 nodes, forward has 6
     with pytest.raises(ValueError, match="taps_tree.ancestor_bits"):
         _verify(_model("llama", "taps_tree"), prompt, tree, tree_kwargs=lambda meta: {taps_hf.KWARG: wrong})
+
+
+@pytest.mark.slow
+def test_tree_forward_compiles_fullgraph():
+    """The whole model forward over a tree (DynamicCache, taps::tree_attention in every layer) traces into
+    one graph, and gives the eager logits."""
+    B, N = 2, 9
+    prompt, tree = _prompt(B, 10), _random_trees(B, N, 11)
+    model = _model("llama", "taps_tree")
+    ck = _cache_kwarg(model)
+    eager = _verify(model, prompt, tree, tree_kwargs=lambda meta: {taps_hf.KWARG: meta})
+
+    def forward(ids, position_ids, cache, meta):
+        return model(input_ids=ids, position_ids=position_ids, use_cache=True, **{ck: cache, taps_hf.KWARG: meta}).logits
+
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        cache = transformers.DynamicCache()
+        model(input_ids=prompt, use_cache=True, **{ck: cache})
+        position_ids, meta = taps_hf.tree_forward_inputs(tree, torch.full((B,), PROMPT, dtype=torch.int64))
+        got = compiled(tree.tokens, position_ids, cache, meta)
+    torch.testing.assert_close(got, eager, **LOGIT_TOL[torch.float32])
