@@ -43,7 +43,10 @@ def accept_greedy_cuda(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: t
 
 # --- compaction table ------------------------------------------------------------------------------------------
 
-_NUM_FIELDS = int(getattr(_C_cuda, "COMPACT_NUM_FIELDS", 6))
+_FIELDS = ("ptr", "heads", "row_units", "stride_b", "stride_h", "stride_l")  # taps::cuda::CompactField order
+if getattr(_C_cuda, "COMPACT_NUM_FIELDS", None) != len(_FIELDS):
+    raise ImportError(f"taps_kernels._C_cuda is stale: its compaction table has "
+                      f"{getattr(_C_cuda, 'COMPACT_NUM_FIELDS', None)} fields, this module writes {len(_FIELDS)}; rebuild it")
 _TABLE_CACHE_SIZE = 64
 # key -> (host table, device table). The host copy is kept alive too: a CUDA graph that captured the
 # upload replays it from that host address.
