@@ -6,12 +6,14 @@
 #   4. bench/bench_kernels.py and bench/bench_tree_ops.py --quick, when present
 #   5. a summary table: step, status, seconds, log file
 # Every step runs under `timeout`, bounded by what is left of the overall budget.
-# Usage: bash bench/gpu_check.sh     Env: PYTHON (default python), LOG_DIR (default bench/results/gpu_check),
+# Usage: bash bench/gpu_check.sh     Env: PYTHON (default python), LOG_DIR (default $OUT/gpu_check or
+#        bench/results/gpu_check),
 #        TAPS_CUDA_ARCHS (default 90), BUDGET_S (default 470).
 set -u
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
-LOG_DIR=${LOG_DIR:-bench/results/gpu_check}
+PY=${PYTHON:-$(command -v python || command -v python3)}
+# $OUT is the folder a remote device runner brings back; logs land there when it is set.
+LOG_DIR=${LOG_DIR:-${OUT:-bench/results}/gpu_check}
 BUDGET_S=${BUDGET_S:-470}
 export TAPS_CUDA_ARCHS=${TAPS_CUDA_ARCHS:-90}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
