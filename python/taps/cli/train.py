@@ -69,7 +69,7 @@ def add_subcommands(subparsers):
     p.add_argument("--intermediate-size", type=int, default=1536)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gamma", type=float, default=7.0)
-    p.add_argument("--anchors-per-seq", type=int, default=8)
+    p.add_argument("--anchors-per-seq", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--max-seq-len", type=int, default=640)
     p.add_argument("--steps", type=int, default=4000)
@@ -83,6 +83,10 @@ def add_subcommands(subparsers):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this many minutes")
     p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--train-vocab", default="seen", choices=["seen", "full"],
+                   help="softmax over tokens seen in the data (+ random negatives) or the full vocab")
+    p.add_argument("--extra-negatives", type=int, default=4096)
+    p.add_argument("--rescan-every", type=int, default=100)
     p.set_defaults(func=_cmd_train)
 
     p = subparsers.add_parser("eval-drafter", help="per-position agreement and tau on held-out generated text")

@@ -125,7 +125,7 @@ def _summary(doc: str, max_chars: int = 400) -> str:
     return para[:max_chars]
 
 
-def _prompts_from_file(path: Path, rng: random.Random) -> Iterable[dict]:
+def _prompts_from_file(path: Path, rng: random.Random, max_body_chars: int = 2000) -> Iterable[dict]:
     try:
         src = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
@@ -156,7 +156,7 @@ def _prompts_from_file(path: Path, rng: random.Random) -> Iterable[dict]:
             args = ast.unparse(node.args)
         except Exception:
             continue
-        if doc and 30 <= len(doc) <= 1500:
+        if doc and 30 <= len(doc) <= max_body_chars:
             summ = _summary(doc)
             r = rng.random()
             if r < 0.45:
@@ -166,7 +166,7 @@ def _prompts_from_file(path: Path, rng: random.Random) -> Iterable[dict]:
                                                    f"{sig}\n{doc_block}\n```"}
             else:
                 yield {"kind": "write", "text": f"Write a Python function `{node.name}({args})` that does the following: {summ}"}
-        if 4 <= nlines <= 40 and len(body_src) < 2000:
+        if 4 <= nlines <= 30 and len(body_src) < max_body_chars:
             r = rng.random()
             if r < 0.5:
                 yield {"kind": "explain", "text": f"Explain what this code does:\n\n```python\n{body_src}\n```"}
@@ -175,7 +175,7 @@ def _prompts_from_file(path: Path, rng: random.Random) -> Iterable[dict]:
                 yield {"kind": "continue", "text": "Complete this code:\n\n```python\n" + "\n".join(cut) + "\n```"}
 
 
-def build_prompts(num_prompts: int, seed: int = 0, max_prompt_chars: int = 2000,
+def build_prompts(num_prompts: int, seed: int = 0, max_prompt_chars: int = 900,
                   eval_filter: Optional[EvalFilter] = None, kinds_weights: Optional[dict] = None) -> List[dict]:
     """Deterministic list of ``num_prompts`` prompt dicts ``{"kind", "text", "id"}``."""
     rng = random.Random(seed)
@@ -188,7 +188,7 @@ def build_prompts(num_prompts: int, seed: int = 0, max_prompt_chars: int = 2000,
     seen = set()
     dropped = 0
     for p in files:
-        for pr in _prompts_from_file(p, rng):
+        for pr in _prompts_from_file(p, rng, max_body_chars=max_prompt_chars - 60):
             k = pr["kind"]
             if k not in buckets or len(buckets[k]) >= quota[k] * 2:
                 continue

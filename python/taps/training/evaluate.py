@@ -1,0 +1,100 @@
+"""``eval-drafter``: drafter quality on held-out target-generated text.
+
+For anchors ``a`` in the response part of held-out sequences (greedy
+continuations of the target, so ``x[a+1..]`` IS the target's greedy chain),
+the drafter block ``[x[a], MASK x D]`` is run with the clean target features
+of positions ``< a`` (the training forward, proven equal to the incremental
+``draft`` API by the tests) and the FULL-vocabulary LM head.
+
+Metrics:
+* ``pos_acc[k]``: agreement of the drafter argmax at block position ``k``
+  with the target's greedy token ``x[a+k]`` (k = 1..D),
+* ``tau``: mean acceptance length of the argmax chain, ``1 + `` number of
+  consecutive matches from position 1 (the bonus counts, METHOD.md section 1),
+  i.e. tokens per round of plain DFlash with greedy verification,
+* the same split by prompt kind (complete / write / explain / continue / module).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from taps.models.drafter import check_compatible, load_drafter
+from taps.training.train import ShardData, make_batch
+
+
+@torch.no_grad()
+def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: Optional[List[int]] = None,
+                 max_seqs: int = 96, anchors_per_seq: int = 16, seed: int = 1234, batch_size: int = 4,
+                 out_json: Optional[str] = None, threads: Optional[int] = None, drafter=None, tmodel=None):
+    from tqdm import tqdm
+
+    from taps.models.target import load_target
+
+    if threads:
+        torch.set_num_threads(threads)
+    shards = shards if shards is not None else [0]
+    if tmodel is None:
+        tmodel, _ = load_target(target)
+    if drafter is None:
+        drafter = load_drafter(drafter_dir, target_config=tmodel.config)
+    else:
+        check_compatible(drafter.config, tmodel.config)
+    drafter.eval()
+    embed, head = tmodel.get_input_embeddings(), tmodel.get_output_embeddings()
+    ds = ShardData(data, only=shards)
+    prompts = []
+    pp = Path(data) / "prompts.jsonl"
+    if pp.exists():
+        prompts = [json.loads(l) for l in pp.read_text().splitlines()]
+    S = drafter.config.block_size
+    D = S - 1
+    rng = random.Random(seed)
+    n = min(max_seqs, len(ds))
+    hits = torch.zeros(D)
+    cnt = torch.zeros(D)
+    taus = []
+    by_kind = {}
+    t0 = time.time()
+    for i in tqdm(range(0, n, batch_size), desc="eval-drafter", unit="batch"):
+        ks = list(range(i, min(n, i + batch_size)))
+        samples = [ds.get(k) for k in ks]
+        feats, blocks, anchors, labels = make_batch(samples, S, anchors_per_seq, drafter.mask_token_id, rng,
+                                                    full_blocks_only=True)
+        h = drafter.forward_blocks(feats, blocks, anchors, embed)[:, :, 1:]
+        pred = head(h.to(head.weight.dtype)).argmax(-1)  # [B,M,D]
+        valid = labels >= 0
+        hit = (pred == labels) & valid
+        hits += hit.float().sum((0, 1))
+        cnt += valid.float().sum((0, 1))
+        run = torch.cumprod(hit.long(), dim=-1).sum(-1)  # [B,M]
+        for b, k in enumerate(ks):
+            s, si = ds.index[k]
+            pidx = int(ds.shards[s]["prompt_idx"][si])
+            kind = prompts[pidx]["kind"] if pidx < len(prompts) else "unknown"
+            for m in range(anchors.shape[1]):
+                if anchors[b, m] >= 0:
+                    t = 1.0 + float(run[b, m])
+                    taus.append(t)
+                    by_kind.setdefault(kind, []).append(t)
+    pos_acc = (hits / cnt.clamp(min=1)).tolist()
+    res = {
+        "drafter": str(drafter_dir), "data": str(data), "shards": shards, "sequences": n, "blocks": len(taus),
+        "tau": round(sum(taus) / max(1, len(taus)), 4),
+        "pos_acc": [round(a, 4) for a in pos_acc],
+        "tau_by_kind": {k: {"tau": round(sum(v) / len(v), 4), "blocks": len(v)} for k, v in sorted(by_kind.items())},
+        "code_kinds_tau": None,
+        "seconds": round(time.time() - t0, 1),
+    }
+    code = [t for k in ("complete", "write", "continue") for t in by_kind.get(k, [])]
+    if code:
+        res["code_kinds_tau"] = round(sum(code) / len(code), 4)
+    if out_json:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(res, indent=1) + "\n")
+    return res

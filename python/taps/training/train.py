@@ -1,0 +1,323 @@
+"""``train-drafter``: DFlash drafter training on ``build-data`` shards.
+
+Recipe (METHOD.md section 2): random anchors in the response part of each
+target-regenerated sequence; the block ``[x[a], MASK x (S-1)]`` predicts
+``x[a+1..a+S-1]`` in one pass; blocks are isolated from one another and see
+the clean target features of positions ``< a``; the target's embeddings and
+LM head are frozen (borrowed, never trained); position-decayed cross-entropy
+``w_k = exp(-(k-1)/gamma)``; AdamW with linear warmup and cosine decay.
+
+Target features come from the shards (captured during generation), so no
+target forward runs during training. Training is resumable: ``<out>/ckpt.pt``
+is written every ``save_every`` steps (model, optimiser, step, RNG states),
+and ``<out>/drafter`` (config.json + bf16 model.safetensors) alongside.
+New shards written by a still-running ``build-data`` are picked up every
+``rescan_every`` steps.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from taps.models.drafter import DFlashConfig, DFlashDrafter
+
+DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2 '<empty_output>': a special token never produced in chat
+
+
+class ShardData:
+    """Memory-mapped view of the shards (holding out ``holdout`` shard indices)."""
+
+    def __init__(self, data_dir: str, holdout: Optional[List[int]] = None, only: Optional[List[int]] = None):
+        self.dir = Path(data_dir)
+        self.holdout = set(holdout or [])
+        self.only = set(only) if only is not None else None
+        self.shards = {}
+        self.index = []  # (shard_idx, seq_idx)
+        self.meta = json.loads((self.dir / "meta.json").read_text())
+        self.rescan()
+
+    def rescan(self) -> int:
+        added = 0
+        for p in sorted(self.dir.glob("shard_*.pt")):
+            s = int(p.stem.split("_")[1])
+            if s in self.shards or s in self.holdout or (self.only is not None and s not in self.only):
+                continue
+            try:
+                blob = torch.load(str(p), mmap=True, weights_only=True)
+            except Exception:
+                continue
+            self.shards[s] = blob
+            n = len(blob["prompt_lens"])
+            for i in range(n):
+                off = blob["offsets"]
+                L = int(off[i + 1] - off[i])
+                if L - int(blob["prompt_lens"][i]) >= 2:
+                    self.index.append((s, i))
+            added += 1
+        return added
+
+    def __len__(self):
+        return len(self.index)
+
+    def get(self, k: int, max_len: Optional[int] = None):
+        s, i = self.index[k]
+        b = self.shards[s]
+        o0, o1 = int(b["offsets"][i]), int(b["offsets"][i + 1])
+        if max_len is not None:
+            o1 = min(o1, o0 + max_len)
+        toks = b["tokens"][o0:o1].long()
+        feats = b["feats"][o0:o1]
+        return toks, feats, int(b["prompt_lens"][i])
+
+    def response_vocab(self, vocab_size: int) -> torch.Tensor:
+        """Bool [V]: tokens that occur in any response (or prompt) of the loaded shards."""
+        seen = torch.zeros(vocab_size, dtype=torch.bool)
+        for b in self.shards.values():
+            seen[b["tokens"].long().clamp(0, vocab_size - 1)] = True
+        return seen
+
+    def token_counts(self):
+        tot = resp = 0
+        for s, b in self.shards.items():
+            tot += int(b["tokens"].numel())
+            resp += int(b["tokens"].numel() - b["prompt_lens"].sum())
+        return tot, resp
+
+
+def make_batch(samples, block_size: int, anchors_per_seq: int, mask_token_id: int, rng: random.Random,
+               full_blocks_only: bool = False):
+    """samples: list of (tokens [L], feats [L,F], prompt_len).
+    Returns feats [B,T,F] float32, block_ids [B,M,S], anchors [B,M] (-1 pad),
+    labels [B,M,S-1] (-100 where beyond the sequence)."""
+    S = block_size
+    B = len(samples)
+    T = max(len(t) for t, _, _ in samples)
+    Fdim = samples[0][1].shape[-1]
+    M = anchors_per_seq
+    feats = torch.zeros(B, T, Fdim, dtype=torch.float32)
+    block_ids = torch.full((B, M, S), mask_token_id, dtype=torch.long)
+    anchors = torch.full((B, M), -1, dtype=torch.long)
+    labels = torch.full((B, M, S - 1), -100, dtype=torch.long)
+    for b, (toks, f, pl) in enumerate(samples):
+        L = len(toks)
+        feats[b, :L] = f.float()
+        hi = L - S if full_blocks_only else L - 2  # anchor a needs a label at a+1
+        lo = max(pl, 1)
+        if hi < lo:
+            continue
+        cand = list(range(lo, hi + 1))
+        chosen = sorted(rng.sample(cand, min(M, len(cand))))
+        for m, a in enumerate(chosen):
+            anchors[b, m] = a
+            block_ids[b, m, 0] = toks[a]
+            lab = toks[a + 1: a + S]
+            labels[b, m, : len(lab)] = lab
+    return feats, block_ids, anchors, labels
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_loss(drafter, lm_head, embed_tokens, feats, block_ids, anchors, labels, weights, autocast: bool,
+               vocab_subset: Optional[torch.Tensor] = None):
+    """Position-decayed CE over valid label rows. Returns (loss, stats dict).
+
+    ``vocab_subset`` (sorted int64 token ids, must contain every label): the
+    softmax runs over these rows of the frozen LM head only (a sampled-softmax
+    speed-up for CPU training; evaluation always uses the full vocabulary)."""
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        h = drafter.forward_blocks(feats, block_ids, anchors, embed_tokens)  # [B,M,S,H]
+        h = h[:, :, 1:]
+        valid = labels >= 0
+        hv = h[valid]  # [N,H]
+        if vocab_subset is None:
+            logits = lm_head(hv.to(lm_head.weight.dtype) if not autocast else hv)
+        else:
+            W = lm_head.weight.index_select(0, vocab_subset)
+            logits = F.linear(hv.to(W.dtype) if not autocast else hv, W)
+    logits = logits.float()
+    y = labels[valid]
+    if vocab_subset is not None:
+        y = torch.searchsorted(vocab_subset, y)
+    w = weights.to(logits.device)[None, None, :].expand_as(labels)[valid]
+    ce = F.cross_entropy(logits, y, reduction="none")
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        pred = logits.argmax(-1)
+        hit = torch.zeros_like(labels, dtype=torch.bool)
+        hit[valid] = pred == y
+        pos_acc = (hit.float().sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)).tolist()
+        # tau of the argmax chain: 1 + consecutive hits from position 1 (only complete runs count)
+        run = torch.cumprod(hit.long(), dim=-1).sum(-1)
+        has = anchors >= 0
+        tau = float((1 + run[has].float()).mean()) if has.any() else 0.0
+    return loss, {"ce": float(ce.detach().mean()), "pos_acc": pos_acc, "tau": tau, "rows": int(valid.sum())}
+
+
+def _init_weights(model: DFlashDrafter, std: float = 0.02):
+    for n, p in model.named_parameters():
+        if n.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+        else:
+            torch.nn.init.normal_(p, std=std)
+
+
+def _lr_at(step, total, warmup, base, min_ratio=0.1):
+    if step < warmup:
+        return base * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _save(out: Path, drafter, opt, step, rng, extra):
+    tmp = out / "ckpt.pt.tmp"
+    torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step,
+                "py_rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "extra": extra,
+                "config": drafter.config.to_dict()}, tmp)
+    os.replace(tmp, out / "ckpt.pt")
+    drafter.save_pretrained(out / "drafter", dtype=torch.bfloat16)
+
+
+def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int = 3, intermediate_size: int = 1536,
+                  block_size: int = 16, gamma: float = 7.0, anchors_per_seq: int = 8, batch_size: int = 8,
+                  max_seq_len: int = 640, steps: int = 4000, lr: float = 1e-3, warmup: int = 100,
+                  weight_decay: float = 0.01, save_every: int = 200, holdout_shards: str = "0", bf16: bool = False,
+                  seed: int = 0, threads: Optional[int] = None, max_minutes: Optional[float] = None,
+                  mask_token_id: Optional[int] = None, rescan_every: int = 100, log_every: int = 10,
+                  train_vocab: str = "seen", extra_negatives: int = 4096, **_):
+    from tqdm import tqdm
+
+    from taps.models.target import load_target
+
+    if threads:
+        torch.set_num_threads(threads)
+    t_start = time.time()
+    outp = Path(out)
+    outp.mkdir(parents=True, exist_ok=True)
+    holdout = [int(x) for x in str(holdout_shards).split(",") if x.strip()] if holdout_shards else []
+    ds = ShardData(data, holdout=holdout)
+    meta = ds.meta
+    tmodel, tok = load_target(target)
+    tc = tmodel.config
+    embed = tmodel.get_input_embeddings()
+    head = tmodel.get_output_embeddings()
+    for p in tmodel.parameters():
+        p.requires_grad_(False)
+    mask_id = DEFAULT_MASK_TOKEN_ID if mask_token_id is None else mask_token_id
+    cfg = DFlashConfig(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
+                       num_key_value_heads=tc.num_key_value_heads,
+                       head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+                       intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+                       rms_norm_eps=float(tc.rms_norm_eps),
+                       rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 100000.0)),
+                       vocab_size=tc.vocab_size, block_size=block_size, num_target_layers=tc.num_hidden_layers,
+                       target_layer_ids=list(meta["layer_ids"]), mask_token_id=mask_id,
+                       max_position_embeddings=tc.max_position_embeddings)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    drafter = DFlashDrafter(cfg)
+    _init_weights(drafter)
+    tnorm = getattr(getattr(tmodel, "model", None), "norm", None)
+    if tnorm is not None and tnorm.weight.shape == drafter.norm.weight.shape:
+        with torch.no_grad():  # start the output norm where the target's final norm is (same LM head)
+            drafter.norm.weight.copy_(tnorm.weight.float())
+    drafter.train()
+    decay = [p for n, p in drafter.named_parameters() if not n.endswith("norm.weight")]
+    nodecay = [p for n, p in drafter.named_parameters() if n.endswith("norm.weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": nodecay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    step = 0
+    ck = outp / "ckpt.pt"
+    extra = {"train_seconds": 0.0, "blocks_seen": 0, "rows_seen": 0}
+    if ck.exists():
+        st = torch.load(str(ck), weights_only=False)
+        drafter.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        rng.setstate(st["py_rng"])
+        torch.set_rng_state(st["torch_rng"])
+        extra.update(st.get("extra", {}))
+        print(f"resumed from {ck} at step {step}", flush=True)
+    weights = position_weights(block_size, gamma)
+    nparams = sum(p.numel() for p in drafter.parameters())
+    (outp / "train_config.json").write_text(json.dumps({
+        "data": data, "target": target, "num_layers": num_layers, "intermediate_size": intermediate_size,
+        "block_size": block_size, "gamma": gamma, "anchors_per_seq": anchors_per_seq, "batch_size": batch_size,
+        "max_seq_len": max_seq_len, "steps": steps, "lr": lr, "warmup": warmup, "weight_decay": weight_decay,
+        "bf16": bf16, "seed": seed, "train_vocab": train_vocab, "extra_negatives": extra_negatives, "holdout_shards": holdout, "mask_token_id": mask_id, "params": nparams,
+        "drafter_config": cfg.to_dict()}, indent=1))
+    log = open(outp / "train_log.jsonl", "a")
+    print(f"drafter params {nparams/1e6:.2f}M, train seqs {len(ds)}, tokens {ds.token_counts()}", flush=True)
+    pbar = tqdm(total=steps, initial=step, desc="train-drafter", unit="step")
+    seg_t = time.time()
+    ema = None
+    seen_vocab = None
+    while step < steps:
+        if max_minutes is not None and time.time() - t_start > max_minutes * 60:
+            print("time limit reached", flush=True)
+            break
+        if step % rescan_every == 0:
+            if ds.rescan() or seen_vocab is None:
+                print(f"step {step}: {len(ds)} train seqs, tokens (all, response) {ds.token_counts()}", flush=True)
+                if train_vocab == "seen":
+                    seen_vocab = ds.response_vocab(cfg.vocab_size)
+                    print(f"  training softmax over {int(seen_vocab.sum())} seen tokens + {extra_negatives} random",
+                          flush=True)
+        if len(ds) == 0:
+            time.sleep(10)
+            continue
+        cur_lr = _lr_at(step, steps, warmup, lr)
+        for g in opt.param_groups:
+            g["lr"] = cur_lr
+        samples = [ds.get(rng.randrange(len(ds)), max_seq_len) for _ in range(batch_size)]
+        batch = make_batch(samples, block_size, anchors_per_seq, mask_id, rng)
+        subset = None
+        if seen_vocab is not None:
+            sel = seen_vocab.clone()
+            if extra_negatives:
+                sel[torch.randint(0, cfg.vocab_size, (extra_negatives,))] = True
+            sel[batch[3][batch[3] >= 0]] = True
+            subset = sel.nonzero().squeeze(1)
+        loss, stats = block_loss(drafter, head, embed, *batch, weights, bf16, vocab_subset=subset)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        extra["blocks_seen"] += int((batch[2] >= 0).sum())
+        extra["rows_seen"] += stats["rows"]
+        lv = loss.item()
+        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+        pbar.update(1)
+        pbar.set_postfix(loss=f"{ema:.3f}", acc1=f"{stats['pos_acc'][0]:.2f}", tau=f"{stats['tau']:.2f}")
+        if step % log_every == 0:
+            now = time.time()
+            extra["train_seconds"] += now - seg_t
+            seg_t = now
+            log.write(json.dumps({"step": step, "loss": round(float(loss), 4), "loss_ema": round(ema, 4),
+                                  "lr": cur_lr, "grad_norm": round(float(gn), 3), "tau": round(stats["tau"], 3),
+                                  "acc": [round(a, 3) for a in stats["pos_acc"][:15]],
+                                  "train_seconds": round(extra["train_seconds"], 1),
+                                  "wall": time.strftime("%H:%M:%S")}) + "\n")
+            log.flush()
+        if step % save_every == 0:
+            _save(outp, drafter, opt, step, rng, extra)
+    extra["train_seconds"] += time.time() - seg_t
+    _save(outp, drafter, opt, step, rng, extra)
+    pbar.close()
+    summary = {"step": step, "train_seconds": round(extra["train_seconds"], 1), "blocks_seen": extra["blocks_seen"],
+               "rows_seen": extra["rows_seen"], "train_seqs": len(ds), "tokens_all_response": ds.token_counts()}
+    (outp / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary), flush=True)
+    return drafter
