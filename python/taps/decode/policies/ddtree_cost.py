@@ -1,0 +1,55 @@
+"""Cost-aware DDTree: the throughput rule of ``taps`` on the drafter's marginal products.
+
+The DDTree pool of ``N`` nodes holds the top-``N`` prefixes by marginal product ``q(u)``; the policy keeps
+its top ``n*`` with ``n* = argmax_n (1 + sum_{i<=n} q_(i)) / (t0 + t_verify(n))`` from the same measured
+latency table (:mod:`taps.scoring.latency`) and the same overhead accounting as ``taps``. The marginal
+product underestimates acceptance (METHOD.md section 3), so this baseline tends to pick small trees.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import taps_kernels
+
+from .base import Stopwatch, TreePolicy, parse_budget, register_policy
+from .taps import DEFAULT_CAP, OverheadTracker
+
+
+class CostAwareDDTreePolicy(TreePolicy):
+    """``ddtree-cost[:N]``: throughput-optimal prefix of the DDTree of budget ``N`` (default 64)."""
+
+    def __init__(self, max_nodes: int = DEFAULT_CAP, latency: Optional[dict] = None):
+        self.max_nodes = max_nodes
+        self.latency = latency
+        self.overhead = OverheadTracker()
+        self._table = None
+        self._t0 = 0.0
+
+    def bind(self, target_model, drafter, device) -> None:
+        if self.latency is None:
+            from taps.scoring.latency import get_table
+
+            self.latency = get_table(target_model, drafter, n_max=self.max_nodes)
+        self._table = torch.tensor(self.latency["latency"][: self.max_nodes + 1], dtype=torch.float64)
+        self._t0 = float(self.latency.get("t0", 0.0))
+
+    def build(self, draft_logits, draft_hidden, bonus):
+        if self._table is None:
+            raise RuntimeError(f"policy {self.name}: bind() was not called (the decoder calls it)")
+        sw = Stopwatch()
+        with sw("pool"):
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.view(1).long(),
+                                               top_k=min(self.max_nodes, draft_logits.shape[-1]),
+                                               pool_size=self.max_nodes)
+        with sw("selection"):
+            sel = taps_kernels.select_subtree(pool.tree, pool.logq, self.max_nodes, latency=self._table,
+                                              t0=self._t0 + self.overhead.get(), rule="reach")
+        self.overhead.update(sum(sw.times.values()))
+        return sel.tree, sw.times
+
+
+@register_policy("ddtree-cost", "cost-aware DDTree: throughput rule on marginal products; ddtree-cost:N caps nodes")
+def _make(arg):
+    return CostAwareDDTreePolicy(parse_budget("ddtree-cost", arg, DEFAULT_CAP))

@@ -1,0 +1,155 @@
+"""TAPS: target-aware prefix tree selection (METHOD.md section 4).
+
+Per round: a best-first candidate pool (top-``K`` per position, ``K`` = the scorer's training top-K),
+path-conditioned reach from the learned scorer through :func:`taps_kernels.score_edges` (fused
+Triton kernel on a GPU, reference/C++ on CPU), then one of two selection rules:
+
+* ``taps[:N]`` (default TAPS): the throughput rule. Because reach never grows along a path, the top-``n``
+  nodes by reach are prefix-closed; the size is ``n* = argmax_n (1 + sum_{i<=n} r_(i)) / (t0 + t_verify(n))``
+  with ``t_verify`` the measured latency table of this machine and model (:mod:`taps.scoring.latency`)
+  and ``t0`` its fixed per-round time plus this policy's own measured pool/score/select time; ``N`` caps
+  the nodes (default 64).
+* ``taps-paper[:N]``: the published utility rule ``u(v) = r(v) / (lambda_node + lambda_depth * depth)``
+  (1.0, 0.002), nodes taken in utility order with their ancestors until the cap ``N`` (default 64, as
+  published), stopping at the first node with utility below ``min_utility``.
+* ``taps-tiny[:N]``: the throughput rule with the 7-scalar scorer (ablation).
+
+The scorer directory is ``$TAPS_SCORER`` or ``checkpoints/smollm2-taps-scorer`` (``-tiny`` suffix for the
+tiny variant). Pool size: ``$TAPS_POOL_SIZE`` or :data:`DEFAULT_POOL_SIZE`, chosen by measured CPU cost
+(the published 768-node pool would cost more to score on these CPUs than it could save).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import taps_kernels
+
+from .base import PolicyError, Stopwatch, TreePolicy, parse_budget, register_policy
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+DEFAULT_SCORER = REPO_ROOT / "checkpoints" / "smollm2-taps-scorer"
+DEFAULT_POOL_SIZE = 128
+DEFAULT_CAP = 64
+LAMBDA_NODE = 1.0
+LAMBDA_DEPTH = 0.002
+DEFAULT_MIN_UTILITY = 0.01
+#: Weight of the newest round in the running mean of this policy's own overhead (added to ``t0``).
+OVERHEAD_EMA = 0.2
+
+
+def scorer_dir(tiny: bool = False) -> Path:
+    env = os.environ.get("TAPS_SCORER_TINY" if tiny else "TAPS_SCORER")
+    if env:
+        return Path(env)
+    return DEFAULT_SCORER.with_name(DEFAULT_SCORER.name + "-tiny") if tiny else DEFAULT_SCORER
+
+
+class OverheadTracker:
+    """Running mean of a policy's own per-round seconds (pool + scoring + selection)."""
+
+    def __init__(self):
+        self.value: Optional[float] = None
+
+    def update(self, seconds: float) -> None:
+        self.value = seconds if self.value is None else (1 - OVERHEAD_EMA) * self.value + OVERHEAD_EMA * seconds
+
+    def get(self) -> float:
+        return self.value or 0.0
+
+
+class TapsPolicy(TreePolicy):
+    """Scorer reach + throughput rule (``rule="reach"``) or published utility rule (``rule="utility"``).
+
+    Args:
+        max_nodes: node cap ``N`` (non-root nodes).
+        rule: ``"reach"`` (with the latency table) or ``"utility"``.
+        pool_size: candidate pool size (non-root nodes).
+        tiny: use the 7-scalar scorer.
+        min_utility: the utility rule's stopping threshold.
+        scorer: a scorer directory (default: :func:`scorer_dir`), or already loaded ScorerWeights.
+        latency: optional latency table dict (``{"latency": [...], "t0": s}``); default: measured/cached
+            for the bound target in :meth:`bind`.
+    """
+
+    def __init__(self, max_nodes: int = DEFAULT_CAP, rule: str = "reach", pool_size: Optional[int] = None,
+                 tiny: bool = False, min_utility: float = DEFAULT_MIN_UTILITY, scorer=None, latency=None, top_k=None):
+        self.max_nodes = max_nodes
+        self.rule = rule
+        self.pool_size = max(pool_size or int(os.environ.get("TAPS_POOL_SIZE", DEFAULT_POOL_SIZE)), max_nodes)
+        self.tiny = tiny
+        self.min_utility = min_utility
+        self.scorer = scorer
+        self.latency = latency
+        self.top_k = top_k
+        self.weights = None
+        self.emb = None
+        self.overhead = OverheadTracker()
+
+    def bind(self, target_model, drafter, device) -> None:
+        from taps.scoring.io import load_scorer_weights
+
+        if self.weights is None:
+            if isinstance(self.scorer, taps_kernels.ScorerWeights):
+                w, cfg = self.scorer, {}
+            else:
+                d = Path(self.scorer) if self.scorer is not None else scorer_dir(self.tiny)
+                if not d.is_dir():
+                    raise FileNotFoundError(f"policy {self.name}: scorer directory {d} not found (train one with "
+                                            f"`taps train-scorer`, or set TAPS_SCORER)")
+                w, cfg = load_scorer_weights(d)
+            self.top_k = self.top_k or int(cfg.get("model", {}).get("top_k", 64))
+            self.weights = w
+        self.weights = self.weights.to(device=device, dtype=torch.float32)
+        if self.weights.full:
+            self.emb = target_model.get_input_embeddings().weight.detach()
+            if self.emb.dtype != torch.float32:
+                self.emb = self.emb.float()
+        if self.rule == "reach" and self.latency is None:
+            from taps.scoring.latency import get_table
+
+            self.latency = get_table(target_model, drafter, n_max=self.max_nodes)
+        self._table = None
+        if self.latency is not None:
+            self._table = torch.tensor(self.latency["latency"][: self.max_nodes + 1], dtype=torch.float64)
+            self._t0 = float(self.latency.get("t0", 0.0))
+
+    def build(self, draft_logits, draft_hidden, bonus):
+        if self.weights is None:
+            raise RuntimeError(f"policy {self.name}: bind() was not called (the decoder calls it)")
+        sw = Stopwatch()
+        V = draft_logits.shape[-1]
+        with sw("pool"):
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.view(1).long(),
+                                               top_k=min(self.top_k or 64, V), pool_size=self.pool_size)
+        with sw("scoring"):
+            hid = draft_hidden.float() if self.weights.full else None
+            _, _, log_reach = taps_kernels.score_edges(pool, self.weights, self.emb if self.weights.full else None, hid)
+        with sw("selection"):
+            if self.rule == "reach":
+                sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, latency=self._table,
+                                                  t0=self._t0 + self.overhead.get(), rule="reach")
+            else:
+                sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="utility",
+                                                  lambda_node=LAMBDA_NODE, lambda_depth=LAMBDA_DEPTH,
+                                                  min_utility=self.min_utility)
+        self.overhead.update(sum(sw.times.values()))
+        return sel.tree, sw.times
+
+
+@register_policy("taps", "TAPS, throughput rule on scorer reach with the measured latency table; taps:N caps nodes")
+def _make(arg):
+    return TapsPolicy(parse_budget("taps", arg, DEFAULT_CAP), rule="reach")
+
+
+@register_policy("taps-paper", "TAPS, published utility rule (lambda 1.0/0.002, node cap N, threshold); taps-paper:N")
+def _make_paper(arg):
+    return TapsPolicy(parse_budget("taps-paper", arg, DEFAULT_CAP), rule="utility")
+
+
+@register_policy("taps-tiny", "TAPS throughput rule with the 7-scalar scorer (ablation); taps-tiny:N")
+def _make_tiny(arg):
+    return TapsPolicy(parse_budget("taps-tiny", arg, DEFAULT_CAP), rule="reach", tiny=True)

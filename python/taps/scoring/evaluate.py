@@ -1,0 +1,170 @@
+"""Held-out scorer validation: calibration of predicted reach against real acceptance, beside the marginal product.
+
+Per non-root pool node ``v`` of a validation round: ``pred(v)`` = predicted reach (scorer, through
+:func:`taps_kernels.score_edges`, the inference path) or the marginal product ``exp(pool.logq)``
+(DDTree's surrogate); ``label(v) = 1`` iff ``v`` lies on the round's accepted greedy path.
+
+* reliability curve: equal-width bins of ``pred`` on [0, 1]; per bin the count, mean ``pred`` and
+  mean ``label``;
+* expected calibration error ``ECE = sum_b (n_b / n) |mean pred_b - mean label_b|``;
+* top-1 child accuracy: among parents with pool children, how often the child with the highest
+  predicted edge probability carries the target's greedy token (scorer vs marginal rank-0 child),
+  over all parents and over parents on the accepted path;
+* offline tau at equal budget ``n``: keep the top-``n`` nodes by reach (prefix-closed), count the
+  accepted ones (+1 for the bonus) -- exactly the tau a round would have had with that tree.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+import taps_kernels
+from taps_kernels import ScorerWeights
+
+from .traces import accepted_mask, pool_from_traces
+
+
+def reliability(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> Dict[str, object]:
+    """Reliability curve and ECE of probabilities ``pred [M]`` against 0/1 (or fractional) ``label [M]``.
+
+    Bin ``b`` holds ``b/bins <= pred < (b+1)/bins`` (the last bin includes 1). Returns ``{"ece",
+    "bins": [{"lo", "hi", "count", "pred", "acc"}, ...]}`` (empty bins have count 0 and None means).
+    """
+    pred = pred.double().clamp(0.0, 1.0).flatten()
+    label = label.double().flatten()
+    if pred.shape != label.shape:
+        raise ValueError(f"pred, label: expected equal shapes, received {tuple(pred.shape)} and {tuple(label.shape)}")
+    idx = torch.clamp((pred * bins).floor().long(), max=bins - 1)
+    total = pred.numel()
+    ece = 0.0
+    out = []
+    for b in range(bins):
+        m = idx == b
+        c = int(m.sum())
+        if c:
+            p, a = float(pred[m].mean()), float(label[m].mean())
+            ece += c / total * abs(p - a)
+        else:
+            p = a = None
+        out.append({"lo": b / bins, "hi": (b + 1) / bins, "count": c, "pred": p, "acc": a})
+    return {"ece": ece if total else None, "bins": out, "count": total}
+
+
+def _child_top1(edge_logq, parents, tokens, target_argmax, on_path):
+    """Among parents with children: fraction whose best child (max edge_logq, smallest index on ties)
+    has the target's greedy token; returns (all_parents, on_path_parents)."""
+    R, N = tokens.shape
+    par = parents.long()
+    valid = par >= 0
+    score = torch.where(valid, edge_logq, torch.full_like(edge_logq, float("-inf")))
+    best = torch.full((R, N), float("-inf")).scatter_reduce(1, par.clamp(min=0), score, reduce="amax", include_self=True)
+    is_best = valid & (score == best.gather(1, par.clamp(min=0)))
+    # smallest-index child among equal bests
+    idx = torch.arange(N).expand(R, N)
+    cand = torch.where(is_best, idx, torch.full_like(idx, N))
+    first = torch.full((R, N), N, dtype=torch.long).scatter_reduce(1, par.clamp(min=0), cand, reduce="amin",
+                                                                  include_self=True)
+    has_child = first < N
+    best_tok = tokens.gather(1, first.clamp(max=N - 1))
+    hit = has_child & (best_tok == target_argmax.long())
+    n_all = int(has_child.sum())
+    n_path = int((has_child & on_path).sum())
+    return (float(hit.sum()) / n_all if n_all else None,
+            float((hit & on_path).sum()) / n_path if n_path else None, n_all, n_path)
+
+
+def offline_tau(log_reach: torch.Tensor, tree, accepted: torch.Tensor, budgets: List[int]) -> Dict[int, float]:
+    """Mean over rounds of ``1 + #accepted nodes among the top-n by reach`` for each budget ``n``."""
+    out = {}
+    for n in budgets:
+        sel = taps_kernels.select_subtree(tree, log_reach, max_nodes=n)
+        pi = sel.pool_index
+        keep = pi > 0
+        acc = accepted.gather(1, pi.clamp(min=0)) & keep
+        out[n] = float((1 + acc.sum(1).float()).mean())
+    return out
+
+
+@torch.no_grad()
+def evaluate_scorer(traces: Dict[str, torch.Tensor], weights: Optional[ScorerWeights],
+                    token_embeddings: Optional[torch.Tensor], bins: int = 10, batch: int = 64,
+                    budgets=(4, 8, 16, 32, 64), backend: Optional[str] = None) -> Dict[str, object]:
+    """Calibration, top-1 child accuracy and offline tau of ``weights`` (and of the marginal product).
+
+    ``traces``: held-out trace dict; ``weights``: ScorerWeights (None evaluates the marginal only).
+    Scoring runs through :func:`taps_kernels.score_edges` (``backend`` as given, default choice otherwise).
+    """
+    R, N = traces["tokens"].shape
+    accepted = accepted_mask(traces)
+    preds = {"scorer": [], "marginal": []}
+    labels = []
+    top1 = {"scorer": [], "marginal": []}
+    taus = {"scorer": [], "marginal": []}
+    exp_tau = {"scorer": [], "marginal": []}
+    nonroot_all = []
+    for i in range(0, R, batch):
+        rows = torch.arange(i, min(R, i + batch))
+        pool = pool_from_traces(traces, rows)
+        acc = accepted[rows]
+        nonroot = pool.tree.parents >= 0
+        labels.append(acc[nonroot].float())
+        nonroot_all.append(nonroot)
+        on_path = acc
+        models = {"marginal": (pool.step_logq, pool.logq)}
+        if weights is not None:
+            hid = traces["hidden"][rows].float() if weights.full else None
+            e, _, lr = taps_kernels.score_edges(pool, weights, token_embeddings if weights.full else None, hid,
+                                                backend=backend)
+            models["scorer"] = (e, lr)
+        for name, (e, lr) in models.items():
+            preds[name].append(lr.exp()[nonroot])
+            top1[name].append(_child_top1(e, pool.tree.parents, pool.tree.tokens, traces["target_argmax"][rows], on_path))
+            t = offline_tau(lr, pool.tree, acc, list(budgets))
+            taus[name].append((len(rows), t))
+            # predicted E[tau(n)] = 1 + sum of the top-n reaches
+            srt = torch.sort(torch.where(nonroot, lr.exp(), torch.zeros_like(lr)), dim=1, descending=True).values
+            cums = torch.cumsum(srt, 1)
+            exp_tau[name].append((len(rows), {n: float((1 + cums[:, min(n, N - 1) - 1]).mean()) for n in budgets}))
+    label = torch.cat(labels)
+    out = {"rounds": R, "nodes": int(label.numel()), "accept_rate": float(label.mean()),
+           "tau_pool": float(accepted.sum(1).float().mean()), "bins": bins}
+    for name in preds:
+        if not preds[name]:
+            continue
+        pred = torch.cat(preds[name])
+        rel = reliability(pred, label, bins)
+        a_all = [x for x in top1[name]]
+        n_all = sum(x[2] for x in a_all)
+        n_path = sum(x[3] for x in a_all)
+        acc_all = sum((x[0] or 0) * x[2] for x in a_all) / n_all if n_all else None
+        acc_path = sum((x[1] or 0) * x[3] for x in a_all) / n_path if n_path else None
+        tau = {str(n): sum(c * t[n] for c, t in taus[name]) / R for n in budgets}
+        etau = {str(n): sum(c * t[n] for c, t in exp_tau[name]) / R for n in budgets}
+        corr = float(torch.corrcoef(torch.stack([pred.double(), label.double()]))[0, 1]) if pred.numel() > 1 else None
+        out[name] = {"ece": rel["ece"], "reliability": rel["bins"], "mean_pred": float(pred.mean()),
+                     "corr": corr, "top1_child_acc": acc_all, "top1_child_acc_on_path": acc_path,
+                     "parents": n_all, "parents_on_path": n_path, "offline_tau": tau, "predicted_tau": etau}
+    return out
+
+
+def format_eval(res: Dict[str, object]) -> str:
+    """Human-readable summary of :func:`evaluate_scorer` output."""
+    lines = [f"{res['rounds']} held-out rounds, {res['nodes']} pool nodes, accept rate {res['accept_rate']:.4f}, "
+             f"greedy tau over the full pool {1 + res['tau_pool'] - 1:.2f}"]
+    names = [n for n in ("scorer", "marginal") if n in res]
+    for n in names:
+        r = res[n]
+        lines.append(f"{n:<9} ECE {r['ece']:.4f}  corr {r['corr']:.3f}  mean pred {r['mean_pred']:.4f}  "
+                     f"top-1 child acc {r['top1_child_acc']:.3f} (on path {r['top1_child_acc_on_path']:.3f})")
+        lines.append(f"{'':<9} offline tau by budget {r['offline_tau']}  (predicted {r['predicted_tau']})")
+    lines.append("reliability (bin: count, pred -> acc) " + ", ".join(names))
+    for b in range(res["bins"]):
+        parts = []
+        for n in names:
+            x = res[n]["reliability"][b]
+            parts.append(f"{x['count']:>7} {x['pred'] if x['pred'] is not None else float('nan'):.3f}->"
+                         f"{x['acc'] if x['acc'] is not None else float('nan'):.3f}")
+        lo, hi = res[names[0]]["reliability"][b]["lo"], res[names[0]]["reliability"][b]["hi"]
+        lines.append(f"  [{lo:.1f},{hi:.1f})  " + "   ".join(parts))
+    return "\n".join(lines)
