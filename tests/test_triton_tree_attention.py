@@ -139,3 +139,13 @@ def test_public_op_scale_and_lse(device):
                                            return_lse=True, backend="triton")
     torch.testing.assert_close(out.cpu(), want_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_largest_tree_1024_nodes(device):
+    # 32 mask words per row; node 1023 uses bit 31 of word 31 (the sign bit).
+    q, k, v, bits, plen, _, _ = make_inputs(1, 2, 1, 1024, 64, [37], torch.float32, seed=11, padded=False)
+    want_out, want_lse = tree_attention_reference(q, k, v, bits, plen)
+    got_out, got_lse = tree_attention_triton(*(t.to(device) for t in (q, k, v, bits, plen)))
+    torch.testing.assert_close(got_out.cpu(), want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=2e-5, rtol=1e-5)
