@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         train = None  # training extras not installed: inference commands still work
     if train is not None and hasattr(train, "add_subcommands"):
         train.add_subcommands(sub)
+    from . import taps_cmds  # TAPS: traces, train-scorer, eval-scorer, calibrate, bench-suite, report
+
+    taps_cmds.add_subcommands(sub)
     return ap
 
 

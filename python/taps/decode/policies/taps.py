@@ -13,6 +13,8 @@ Triton kernel on a GPU, reference/C++ on CPU), then one of two selection rules:
   (1.0, 0.002), nodes taken in utility order with their ancestors until the cap ``N`` (default 64, as
   published), stopping at the first node with utility below ``min_utility``.
 * ``taps-tiny[:N]``: the throughput rule with the 7-scalar scorer (ablation).
+* ``taps-fixed:N``: exactly the top-``N`` nodes by reach, no latency table: TAPS at the same node
+  budget as ``ddtree:N`` (the equal-budget tau comparison).
 
 The scorer directory is ``$TAPS_SCORER`` or ``checkpoints/smollm2-taps-scorer`` (``-tiny`` suffix for the
 tiny variant). Pool size: ``$TAPS_POOL_SIZE`` or :data:`DEFAULT_POOL_SIZE`, chosen by measured CPU cost
@@ -66,7 +68,7 @@ class TapsPolicy(TreePolicy):
 
     Args:
         max_nodes: node cap ``N`` (non-root nodes).
-        rule: ``"reach"`` (with the latency table) or ``"utility"``.
+        rule: ``"reach"`` (with the latency table), ``"fixed"`` (top ``max_nodes`` by reach) or ``"utility"``.
         pool_size: candidate pool size (non-root nodes).
         tiny: use the 7-scalar scorer.
         min_utility: the utility rule's stopping threshold.
@@ -129,7 +131,9 @@ class TapsPolicy(TreePolicy):
             hid = draft_hidden.float() if self.weights.full else None
             _, _, log_reach = taps_kernels.score_edges(pool, self.weights, self.emb if self.weights.full else None, hid)
         with sw("selection"):
-            if self.rule == "reach":
+            if self.rule == "fixed":
+                sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="reach")
+            elif self.rule == "reach":
                 sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, latency=self._table,
                                                   t0=self._t0 + self.overhead.get(), rule="reach")
             else:
@@ -153,3 +157,8 @@ def _make_paper(arg):
 @register_policy("taps-tiny", "TAPS throughput rule with the 7-scalar scorer (ablation); taps-tiny:N")
 def _make_tiny(arg):
     return TapsPolicy(parse_budget("taps-tiny", arg, DEFAULT_CAP), rule="reach", tiny=True)
+
+
+@register_policy("taps-fixed", "TAPS at a fixed node budget: the top-N nodes by scorer reach; taps-fixed:N")
+def _make_fixed(arg):
+    return TapsPolicy(parse_budget("taps-fixed", arg), rule="fixed")

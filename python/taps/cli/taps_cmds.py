@@ -1,0 +1,392 @@
+"""TAPS subcommands of the ``taps`` CLI.
+
+* ``taps traces``       target over large marginal pools on training prompts -> trace shards (resumable)
+* ``taps train-scorer`` full + tiny scorer from traces -> scorer dirs (weights, config, README with metrics)
+* ``taps eval-scorer``  calibration / top-1 child accuracy / offline tau on held-out traces
+* ``taps calibrate``    verify-latency table of this machine and model (cached)
+* ``taps bench-suite``  HumanEval + MT-Bench (both turns), every policy, greedy + one temperature-1 run -> JSON
+* ``taps report``       markdown table + plots (+ a GPU-latency projection) from a bench-suite JSON
+
+``taps.cli.main`` calls :func:`add_subcommands`.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .common import CLIError, positive_int
+
+BUDGETS = (4, 8, 16, 32, 64, 128)
+
+
+def _cmdline() -> str:
+    return "taps " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+# --- traces ---------------------------------------------------------------------------------------------------------
+
+def _cmd_traces(args):
+    from taps.cli.common import _resolve_drafter_dir
+    from taps.scoring.traces import collect_traces
+
+    d = _resolve_drafter_dir(args.drafter)
+    if not (d / "config.json").is_file():
+        raise CLIError(f"--drafter {args.drafter}: no drafter checkpoint there (config.json missing)")
+    summ = collect_traces(args.out, str(d), target=args.target, num_prompts=args.num_prompts,
+                          pool_size=args.pool_size, top_k=args.top_k, lattice_k=args.lattice_k,
+                          max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                          prompts_per_shard=args.prompts_per_shard, seed=args.seed,
+                          exclude_prompts=args.exclude_prompts, threads=args.threads, max_minutes=args.max_minutes)
+    print(json.dumps(summ, indent=1))
+    return 0
+
+
+# --- train / eval ---------------------------------------------------------------------------------------------------
+
+def _load_split(trace_dirs, val_fraction):
+    from taps.scoring.traces import load_traces, split_by_prompt
+
+    try:
+        tr = load_traces(trace_dirs)
+    except FileNotFoundError as e:
+        raise CLIError(str(e)) from None
+    return split_by_prompt(tr, val_fraction)
+
+
+def _trace_meta(trace_dirs):
+    metas = []
+    for d in trace_dirs:
+        p = Path(d) / "meta.json"
+        metas.append(json.loads(p.read_text()) if p.exists() else {})
+    return metas
+
+
+def _readme(name, cmd, meta, ev, hist, params, tiny):
+    s, m = ev.get("scorer", {}), ev.get("marginal", {})
+    budgets = list(s.get("offline_tau", {}).keys())
+    lines = [f"# {name}", "",
+             f"TAPS edge scorer ({'tiny, 7 scalar features' if tiny else 'full: token/depth/hidden + 7 scalars'}, "
+             f"{params} parameters) for the target `{meta.get('target')}` and the DFlash drafter "
+             f"`{meta.get('drafter', {}).get('path')}` (weights sha256 prefix `{meta.get('drafter', {}).get('sha256')}`). "
+             "A scorer is specific to its target/drafter pair: retrain it when the drafter changes.", "",
+             "Load: `taps.scoring.io.load_scorer_weights(dir)` -> `taps_kernels.ScorerWeights` for "
+             "`taps_kernels.score_edges`; used by the policies `taps`, `taps-paper`, `taps-fixed`"
+             f"{', `taps-tiny`' if tiny else ''}.", "",
+             "## Recipe", "", "```", cmd, "```", "",
+             f"Traces: {meta.get('train_rounds')} training rounds + {meta.get('val_rounds')} held-out rounds "
+             f"(whole prompts held out) from {meta.get('trace_prompts')} training prompts (never HumanEval/MT-Bench), "
+             f"{meta.get('pool_size')}-node DDTree pools, top-{meta.get('top_k')} per position, greedy. "
+             f"Loss: KL over children + other, plus 0.5 x BCE on propagated reach; target `{hist.get('target')}`; "
+             f"AdamW lr {meta.get('lr')}, {len(hist.get('epochs', []))} epochs, best epoch {hist.get('best_epoch')}, "
+             f"{hist.get('seconds')} s on this CPU.", "",
+             "## Held-out validation", "",
+             "| metric | scorer | marginal product |", "|---|---|---|",
+             f"| expected calibration error (reach vs real acceptance, {ev.get('bins')} bins) | {s.get('ece', 0):.4f} | {m.get('ece', 0):.4f} |",
+             f"| correlation (reach, acceptance) | {s.get('corr', 0):.3f} | {m.get('corr', 0):.3f} |",
+             f"| mean predicted reach (real acceptance rate {ev.get('accept_rate', 0):.4f}) | {s.get('mean_pred', 0):.4f} | {m.get('mean_pred', 0):.4f} |",
+             f"| top-1 child accuracy, all parents | {s.get('top1_child_acc', 0):.3f} | {m.get('top1_child_acc', 0):.3f} |",
+             f"| top-1 child accuracy, parents on the accepted path | {s.get('top1_child_acc_on_path', 0):.3f} | {m.get('top1_child_acc_on_path', 0):.3f} |"]
+    for b in budgets:
+        lines.append(f"| offline tau at {b} nodes (top-{b} by reach vs DDTree-{b}) | {s['offline_tau'][b]:.3f} | "
+                     f"{m['offline_tau'][b]:.3f} |")
+    lines += ["", f"Held-out set: {ev.get('rounds')} rounds, {ev.get('nodes')} pool nodes. Full metrics: `metrics.json`.", ""]
+    return "\n".join(lines)
+
+
+def _cmd_train(args):
+    import torch
+
+    from taps.scoring.evaluate import evaluate_scorer, format_eval
+    from taps.scoring.io import save_scorer
+    from taps.scoring.model import count_parameters
+    from taps.scoring.train import target_embeddings, train_scorer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train, val = _load_split(args.traces, args.val_fraction)
+    metas = _trace_meta(args.traces)
+    m0 = metas[0]
+    if any(m.get("drafter") != m0.get("drafter") for m in metas):
+        raise CLIError("--traces: the directories were traced with different drafters; a scorer is per pair")
+    emb = target_embeddings(m0.get("target", args.target))
+    cmd = _cmdline()
+    variants = [("full", False, args.out)] + ([("tiny", True, args.tiny_out)] if args.tiny_out else [])
+    results = {}
+    for label, tiny, out in variants:
+        model, hist = train_scorer(train, val, emb, tiny=tiny, epochs=args.epochs, batch=args.batch, lr=args.lr,
+                                   target=args.target_dist, seed=args.seed, top_k=int(m0.get("top_k", 64)))
+        ev = evaluate_scorer(val, model.to_weights(), emb)
+        print(f"[{label}] " + format_eval(ev))
+        meta = {"target": m0.get("target"), "drafter": m0.get("drafter"), "pool_size": m0.get("pool_size"),
+                "top_k": m0.get("top_k"), "train_rounds": int(train["tokens"].shape[0]),
+                "val_rounds": int(val["tokens"].shape[0]),
+                "trace_prompts": sum(int(m.get("num_prompts", 0)) for m in metas), "trace_dirs": list(args.traces),
+                "lr": args.lr, "epochs": args.epochs, "target_dist": args.target_dist, "seed": args.seed,
+                "command": cmd, "best_epoch": hist["best_epoch"], "train_seconds": hist["seconds"],
+                "val_ece": ev["scorer"]["ece"], "val_ece_marginal": ev["marginal"]["ece"],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        params = count_parameters(model)
+        meta["parameters"] = params
+        name = Path(out).name
+        save_scorer(out, model, meta=meta, readme=_readme(name, cmd, meta, ev, hist, params, tiny))
+        (Path(out) / "metrics.json").write_text(json.dumps({"eval": ev, "history": hist}, indent=1) + "\n")
+        results[label] = {"dir": str(out), "ece": ev["scorer"]["ece"], "ece_marginal": ev["marginal"]["ece"]}
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+def _cmd_eval(args):
+    import torch
+
+    from taps.scoring.evaluate import evaluate_scorer, format_eval
+    from taps.scoring.io import load_scorer_weights
+    from taps.scoring.traces import load_traces
+    from taps.scoring.train import target_embeddings
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.split == "val":
+        _, data = _load_split(args.traces, args.val_fraction)
+    else:
+        data = load_traces(args.traces)
+    w, cfg = load_scorer_weights(args.scorer)
+    emb = target_embeddings(cfg.get("meta", {}).get("target") or args.target) if w.full else None
+    ev = evaluate_scorer(data, w, emb, bins=args.bins)
+    print(format_eval(ev))
+    if args.out:
+        Path(args.out).write_text(json.dumps(ev, indent=1) + "\n")
+    return 0
+
+
+# --- calibrate ------------------------------------------------------------------------------------------------------
+
+def _cmd_calibrate(args):
+    from taps.cli.common import load_drafter_cli, load_target_cli, quiet_warnings, setup_torch
+    from taps.scoring.latency import cache_path, measure_latency, save_table
+
+    quiet_warnings()
+    setup_torch(args)
+    model, _ = load_target_cli(args)
+    drafter = None
+    if not args.no_drafter:
+        drafter = load_drafter_cli(args, model)
+    t = measure_latency(model, n_max=args.n_max, prefix_len=args.prefix_len, repeats=args.repeats, drafter=drafter,
+                        progress=True)
+    p = save_table(t, args.out or cache_path(t["machine"], t["model"]))
+    raw = {int(k): v for k, v in t["raw"].items()}
+    print(f"machine {t['machine']}\nmodel {t['model']}\nt0 {1000 * t['t0']:.1f} ms {t['t0_parts']}")
+    for n in sorted(raw):
+        print(f"  n={n:>4}  {1000 * raw[n]:8.1f} ms measured  {1000 * t['latency'][n]:8.1f} ms table")
+    print(f"wrote {p}")
+    return 0
+
+
+# --- bench-suite ----------------------------------------------------------------------------------------------------
+
+def _hist(values):
+    h = {}
+    for v in values:
+        h[str(v)] = h.get(str(v), 0) + 1
+    return dict(sorted(h.items(), key=lambda kv: int(kv[0])))
+
+
+def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log):
+    from .bench import build_decoders, run_suite, summarize
+
+    decoders = build_decoders(model, tok, drafter, specs, sampling)
+
+    def show(rec):
+        log(f"  {rec['id']:<22} {rec['policy']:<14} {rec['new_tokens']:>4} tok  tau {rec['tau']:.2f}  "
+            f"{rec['tokens_per_s']:6.2f} tok/s  {'=AR' if rec['identical_to_ar'] else 'DIFFERS'}")
+
+    results = run_suite(model, tok, decoders, items, max_new_tokens, seed=seed, warmup=warmup, on_record=show)
+    summary = summarize(results)
+    for spec, recs in results.items():
+        s = summary[spec]
+        s["accept_len_hist"] = _hist([a for r in recs for a in r.get("accept_lens", [])])
+        rounds = max(s["rounds"], 1)
+        sp = s["time_split_s"]
+        s["selection_overhead_ms_per_round"] = 1000 * sum(sp.get(k, 0.0) for k in ("pool", "scoring", "selection")) / rounds
+        s["stage_ms_per_round"] = {k: 1000 * v / rounds for k, v in sp.items() if k != "prefill"}
+        s["per_prompt"] = [{"id": r["id"], "new_tokens": r["new_tokens"], "seconds": r["seconds"], "tau": r["tau"],
+                            "identical_to_ar": r["identical_to_ar"]} for r in recs]
+    return summary
+
+
+def _best_ddtree(summary):
+    dd = {k: v for k, v in summary.items() if k.startswith("ddtree:")}
+    if not dd:
+        return None
+    return max(dd, key=lambda k: dd[k]["tokens_per_s_median"])
+
+
+def _cmd_bench_suite(args):
+    import torch
+
+    from taps.data import PromptItem, load_humaneval, load_mtbench
+    from taps.decode import SamplingConfig
+
+    from .common import load_drafter_cli, load_target_cli, parse_policies, quiet_warnings, setup_torch
+
+    quiet_warnings()
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    specs = ["ar", "dflash"] + [f"ddtree:{b}" for b in budgets] + parse_policies(args.policies)
+    specs = list(dict.fromkeys(specs))
+    parse_policies(",".join(specs))
+    setup_torch(args)
+    model, tok = load_target_cli(args)
+    drafter = load_drafter_cli(args, model)
+    from taps.decode.policies.taps import scorer_dir
+    from taps.scoring.traces import drafter_identity
+
+    from .common import _resolve_drafter_dir
+
+    datasets = {}
+    for name in args.datasets.split(","):
+        name = name.strip()
+        if name == "humaneval":
+            datasets[name] = load_humaneval(args.limit)
+        elif name == "mtbench":
+            items = load_mtbench(args.limit)
+            datasets[name] = items if args.turns == 2 else [PromptItem(i.id, i.source, i.turns[:1]) for i in items]
+        else:
+            raise CLIError(f"--datasets: expected humaneval and/or mtbench, received {name!r}")
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    out = {"config": {"command": _cmdline(), "target": args.target, "drafter": drafter_identity(_resolve_drafter_dir(args.drafter)),
+                      "limit_per_dataset": args.limit, "mtbench_turns": args.turns,
+                      "max_new_tokens": args.max_new_tokens, "budgets": budgets, "policies": specs,
+                      "device": args.device, "threads": torch.get_num_threads(), "seed": args.seed,
+                      "scorer": str(scorer_dir()),
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "note": (f"SUBSET: first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
+                               f"{args.max_new_tokens} new tokens per turn")},
+           "runs": []}
+    t_start = time.time()
+    for ds, items in datasets.items():
+        log(f"== {ds}: {len(items)} prompts, greedy, {len(specs)} policies")
+        summ = _run_block(model, tok, drafter, specs, items, SamplingConfig(), args.max_new_tokens, args.seed,
+                          args.warmup, log)
+        out["runs"].append({"dataset": ds, "temperature": 0.0, "prompts": len(items), "policies": summ,
+                            "best_ddtree": _best_ddtree(summ)})
+        _save(out, args.out)
+    if args.t1_policies:
+        t1 = [s.strip() for s in args.t1_policies.split(",") if s.strip()]
+        for i, run in enumerate(list(out["runs"])):
+            best = run["best_ddtree"]
+            chosen = [best if s == "ddtree-best" else s for s in t1]
+            specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
+            items = datasets[run["dataset"]][: args.t1_limit]
+            log(f"== {run['dataset']}: {len(items)} prompts, temperature 1, policies {specs1}")
+            summ = _run_block(model, tok, drafter, specs1, items, SamplingConfig(temperature=1.0), args.max_new_tokens,
+                              args.seed, 0, log)
+            out["runs"].append({"dataset": run["dataset"], "temperature": 1.0, "prompts": len(items), "policies": summ,
+                                "best_ddtree": _best_ddtree(summ)})
+            _save(out, args.out)
+    out["config"]["wall_s"] = round(time.time() - t_start, 1)
+    _save(out, args.out)
+    log(f"wrote {args.out} ({out['config']['wall_s']} s)")
+    return 0
+
+
+def _save(obj, path):
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(p)
+
+
+def _cmd_report(args):
+    from taps.scoring.report import write_report
+
+    paths = write_report(args.bench, args.out_md, plot_prefix=args.plots, scorer_metrics=args.scorer_metrics,
+                         projection=args.projection_latency, notes=args.notes)
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+# --- parser ---------------------------------------------------------------------------------------------------------
+
+def add_subcommands(sub) -> None:
+    from .common import add_model_flags
+
+    p = sub.add_parser("traces", help="scorer training traces: target over large marginal pools (training prompts)")
+    p.add_argument("--out", required=True, help="trace directory (resumable)")
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", default="checkpoints/smollm2-dflash")
+    p.add_argument("--num-prompts", type=positive_int, default=128)
+    p.add_argument("--pool-size", type=positive_int, default=256)
+    p.add_argument("--top-k", type=positive_int, default=64)
+    p.add_argument("--lattice-k", type=positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=512)
+    p.add_argument("--prompts-per-shard", type=positive_int, default=4)
+    p.add_argument("--seed", type=int, default=1, help="prompt sampling seed (the drafter data used 0)")
+    p.add_argument("--exclude-prompts", default=None, help="JSONL of prompts (with 'id') to skip, e.g. the drafter's")
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.set_defaults(func=_cmd_traces)
+
+    p = sub.add_parser("train-scorer", help="train the TAPS scorer (full, and tiny with --tiny-out) on traces")
+    p.add_argument("--traces", nargs="+", required=True)
+    p.add_argument("--out", default="checkpoints/smollm2-taps-scorer")
+    p.add_argument("--tiny-out", default=None, help="also train the 7-scalar variant into this dir")
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--epochs", type=positive_int, default=30)
+    p.add_argument("--batch", type=positive_int, default=32, help="rounds per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--target-dist", choices=("greedy", "soft"), default="greedy",
+                   help="greedy: one-hot target argmax (greedy acceptance); soft: target probabilities")
+    p.add_argument("--val-fraction", type=float, default=0.15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("eval-scorer", help="calibration (ECE, reliability), top-1 child accuracy, offline tau")
+    p.add_argument("--scorer", default="checkpoints/smollm2-taps-scorer")
+    p.add_argument("--traces", nargs="+", required=True)
+    p.add_argument("--split", choices=("val", "all"), default="val")
+    p.add_argument("--val-fraction", type=float, default=0.15)
+    p.add_argument("--bins", type=positive_int, default=10)
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--out", default=None, help="write the metrics JSON here")
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("calibrate", help="measure verify latency for n = 0..N nodes and t0; cache per machine+model")
+    p.add_argument("--n-max", type=int, default=64)
+    p.add_argument("--prefix-len", type=positive_int, default=256)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--no-drafter", action="store_true", help="time the target alone (t0 = 0)")
+    p.add_argument("--out", default=None, help="JSON path (default: $TAPS_CACHE/latency/<model>__<machine>.json)")
+    add_model_flags(p)
+    p.set_defaults(func=_cmd_calibrate)
+
+    p = sub.add_parser("bench-suite", help="HumanEval + MT-Bench, AR/DFlash/DDTree budgets/TAPS, greedy + T=1 -> JSON")
+    p.add_argument("--datasets", default="humaneval,mtbench")
+    p.add_argument("--limit", type=positive_int, default=10, help="prompts per dataset (full: 164 / 80)")
+    p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="MT-Bench turns")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    p.add_argument("--policies", default="ddtree-cost,taps-paper,taps", help="added after ar, dflash, ddtree:B")
+    p.add_argument("--t1-policies", default="dflash,ddtree-best,taps", help="temperature-1 run ('' to skip)")
+    p.add_argument("--t1-limit", type=positive_int, default=5)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", default="bench/results/taps_bench_cpu.json")
+    add_model_flags(p)
+    p.set_defaults(func=_cmd_bench_suite)
+
+    p = sub.add_parser("report", help="markdown table + plots from a bench-suite JSON (+ GPU-latency projection)")
+    p.add_argument("bench", help="bench-suite JSON")
+    p.add_argument("--out-md", default="bench/results/taps_bench_cpu.md")
+    p.add_argument("--plots", default="bench/results/taps_cpu", help="plot file prefix ('' for none)")
+    p.add_argument("--scorer-metrics", default=None, help="metrics.json of the scorer (calibration section)")
+    p.add_argument("--projection-latency", default=None,
+                   help="latency table JSON measured on a GPU: adds a projected tokens/s column, labelled so")
+    p.add_argument("--notes", default=None, help="markdown file appended (analysis)")
+    p.set_defaults(func=_cmd_report)

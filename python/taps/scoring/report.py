@@ -1,0 +1,232 @@
+"""``taps report``: markdown tables, the "must show" checks and plots from a ``taps bench-suite`` JSON.
+
+Plots (PNG, matplotlib Agg): throughput against tau (the paper's first figure, one point per policy,
+DDTree budgets joined), speedup and tau against the DDTree budget (other policies as horizontal
+lines), and the acceptance-length histogram of DFlash / best DDTree / TAPS.
+
+Projection mode (``projection``: a latency table JSON measured on a GPU with ``taps calibrate``):
+projected tokens/s of a policy = ``tau / (t0 + latency[nodes per round - 1])`` with the measured tau
+and nodes per round of this run; it is labelled as a projection everywhere it appears.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+STAGES = ("draft", "pool", "scoring", "selection", "verify", "accept", "compaction", "context")
+TARGETS = {"tau_vs_ddtree_same_budget": 1.07, "tps_vs_dflash": 1.3, "tps_vs_best_ddtree": 1.15}
+
+
+def _fmt(x, spec=".2f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def _lat(table, n: float) -> float:
+    lat = table["latency"]
+    n = max(0.0, min(float(n), len(lat) - 1))
+    lo = int(n)
+    hi = min(lo + 1, len(lat) - 1)
+    w = n - lo
+    return lat[lo] * (1 - w) + lat[hi] * w
+
+
+def projected_tps(summary: dict, table: dict) -> Optional[float]:
+    tau, nodes = summary.get("tau"), summary.get("nodes_per_round")
+    if not tau or not nodes:
+        return None
+    return tau / (float(table.get("t0", 0.0)) + _lat(table, nodes - 1))
+
+
+def policy_table(run: dict, projection: Optional[dict] = None) -> List[str]:
+    pol = run["policies"]
+    best = run.get("best_ddtree")
+    head = ("| policy | tau | nodes/round | tok/s (median) | speedup vs AR | selection overhead ms/round | "
+            "time split % (draft/pool/score/select/verify/accept/compact/context) | identical to AR |")
+    if projection:
+        head += " PROJECTED tok/s (GPU latency table) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for spec, s in pol.items():
+        frac = s.get("time_split_frac", {})
+        split = "/".join(f"{100 * frac.get(k, 0.0):.0f}" for k in STAGES) if s.get("rounds") else "-"
+        name = f"{spec} (oracle best DDTree)" if spec == best else spec
+        row = (f"| {name} | {_fmt(s.get('tau'))} | {_fmt(s.get('nodes_per_round'), '.1f')} | "
+               f"{_fmt(s.get('tokens_per_s_median'))} | {_fmt(s.get('speedup'), '.2f')}x | "
+               f"{_fmt(s.get('selection_overhead_ms_per_round'), '.2f')} | {split} | "
+               f"{s.get('identical_to_ar')}/{s.get('prompts')} |")
+        if projection:
+            row += f" {_fmt(projected_tps(s, projection), '.1f')} |"
+        lines.append(row)
+    return lines
+
+
+def check_targets(run: dict) -> List[dict]:
+    """The issue's "must show" checks on one greedy run: each ``{name, value, target, met, detail}``."""
+    pol = run["policies"]
+    out = []
+    taps = pol.get("taps")
+    fixed = {k: v for k, v in pol.items() if k.startswith("taps-fixed:")}
+    for k, v in fixed.items():
+        b = k.split(":", 1)[1]
+        dd = pol.get(f"ddtree:{b}")
+        if dd and v.get("tau") and dd.get("tau"):
+            r = v["tau"] / dd["tau"]
+            out.append({"name": f"TAPS tau / DDTree tau at {b} nodes ({k} vs ddtree:{b})", "value": r,
+                        "target": TARGETS["tau_vs_ddtree_same_budget"], "met": r >= TARGETS["tau_vs_ddtree_same_budget"]})
+    if taps:
+        dfl = pol.get("dflash")
+        if dfl:
+            r = taps["tokens_per_s_median"] / dfl["tokens_per_s_median"]
+            out.append({"name": "TAPS tok/s / DFlash tok/s", "value": r, "target": TARGETS["tps_vs_dflash"],
+                        "met": r >= TARGETS["tps_vs_dflash"]})
+        best = run.get("best_ddtree")
+        if best:
+            r = taps["tokens_per_s_median"] / pol[best]["tokens_per_s_median"]
+            out.append({"name": f"TAPS tok/s / best fixed-budget DDTree ({best}) tok/s", "value": r,
+                        "target": TARGETS["tps_vs_best_ddtree"], "met": r >= TARGETS["tps_vs_best_ddtree"]})
+    same = all(s.get("identical_to_ar") == s.get("prompts") for s in pol.values())
+    out.append({"name": "lossless: every output identical to AR (temperature 0)", "value": None, "target": None,
+                "met": same})
+    return out
+
+
+def _plots(runs: List[dict], prefix: str) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    greedy = [r for r in runs if r["temperature"] == 0.0]
+    paths = []
+    if not greedy:
+        return paths
+    # 1. throughput against tau
+    fig, axes = plt.subplots(1, len(greedy), figsize=(6 * len(greedy), 4.5), squeeze=False)
+    for ax, run in zip(axes[0], greedy):
+        pol = run["policies"]
+        dd = sorted((int(k.split(":")[1]), v) for k, v in pol.items() if k.startswith("ddtree:"))
+        if dd:
+            ax.plot([v["tau"] for _, v in dd], [v["tokens_per_s_median"] for _, v in dd], "o-", color="tab:blue",
+                    label="DDTree (budgets)")
+            for b, v in dd:
+                ax.annotate(str(b), (v["tau"], v["tokens_per_s_median"]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+        for spec, v in pol.items():
+            if spec.startswith("ddtree:") or v.get("tau") is None:
+                continue
+            ax.plot([v["tau"]], [v["tokens_per_s_median"]], "*" if spec.startswith("taps") else "s", markersize=10,
+                    label=spec)
+        ax.set_xlabel("tau (tokens per round)")
+        ax.set_ylabel("tokens/s (median)")
+        ax.set_title(f"{run['dataset']} (T=0, {run['prompts']} prompts)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = Path(f"{prefix}_throughput_vs_tau.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    # 2. speedup and tau against budget
+    fig, axes = plt.subplots(2, len(greedy), figsize=(6 * len(greedy), 7), squeeze=False)
+    for j, run in enumerate(greedy):
+        pol = run["policies"]
+        dd = sorted((int(k.split(":")[1]), v) for k, v in pol.items() if k.startswith("ddtree:"))
+        for i, key in enumerate(("speedup", "tau")):
+            ax = axes[i][j]
+            if dd:
+                ax.plot([b for b, _ in dd], [v[key] for _, v in dd], "o-", label="DDTree(budget)")
+            for spec, v in pol.items():
+                if spec.startswith("ddtree:") or spec == "ar" or v.get(key) is None:
+                    continue
+                ax.axhline(v[key], linestyle="--", linewidth=1, label=spec, color=None)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("node budget")
+            ax.set_ylabel(key)
+            ax.set_title(f"{run['dataset']}: {key} vs budget")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = Path(f"{prefix}_budget.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    # 3. acceptance-length histogram
+    fig, axes = plt.subplots(1, len(greedy), figsize=(6 * len(greedy), 4), squeeze=False)
+    for ax, run in zip(axes[0], greedy):
+        pol = run["policies"]
+        show = [s for s in ("dflash", run.get("best_ddtree"), "ddtree-cost", "taps") if s and s in pol]
+        width = 0.8 / max(len(show), 1)
+        for i, spec in enumerate(show):
+            h = pol[spec].get("accept_len_hist", {})
+            tot = sum(h.values()) or 1
+            xs = [int(k) for k in h]
+            ax.bar([x + i * width for x in xs], [h[k] / tot for k in h], width=width, label=spec)
+        ax.set_xlabel("acceptance length per round (tau, bonus included)")
+        ax.set_ylabel("fraction of rounds")
+        ax.set_title(f"{run['dataset']} (T=0)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = Path(f"{prefix}_accept_hist.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results/taps_cpu",
+                 scorer_metrics: Optional[str] = None, projection: Optional[str] = None,
+                 notes: Optional[str] = None) -> List[Path]:
+    """Write the markdown report (and plots); returns the written paths."""
+    data = json.loads(Path(bench_json).read_text())
+    cfg = data["config"]
+    proj = json.loads(Path(projection).read_text()) if projection else None
+    L = [f"# TAPS benchmark: {cfg.get('target')} on {cfg.get('device')} ({cfg.get('threads')} threads)", "",
+         f"**{cfg.get('note', '')}**", "",
+         f"Command (repeat with `--limit 164` / `--limit 80` for the full sets):", "", "```", cfg.get("command", ""),
+         "```", "",
+         f"Drafter: `{cfg.get('drafter', {}).get('path')}` (sha256 `{cfg.get('drafter', {}).get('sha256')}`); "
+         f"scorer: `{cfg.get('scorer')}`; max new tokens per turn {cfg.get('max_new_tokens')}; MT-Bench turns "
+         f"{cfg.get('mtbench_turns')}; wall {cfg.get('wall_s')} s. Speedup = AR time per token / policy time per "
+         "token, same harness, prompts interleaved across policies. tau counts the bonus token.", ""]
+    checks_all = []
+    for run in data["runs"]:
+        L += [f"## {run['dataset']}, temperature {run['temperature']:g}, {run['prompts']} prompts", ""]
+        L += policy_table(run, proj)
+        L.append("")
+        if run["temperature"] == 0.0:
+            checks = check_targets(run)
+            checks_all.append((run["dataset"], checks))
+    L += ["## Targets (\"must show\")", "", "| dataset | check | value | target | met? |", "|---|---|---|---|---|"]
+    for ds, checks in checks_all:
+        for c in checks:
+            val = _fmt(c["value"], ".3f") if c["value"] is not None else "-"
+            tgt = f">= {c['target']}" if c["target"] is not None else "-"
+            miss = ""
+            if c["target"] is not None and not c["met"]:
+                miss = f" (missed by {100 * (c['target'] - c['value']) / c['target']:.1f}%)"
+            L.append(f"| {ds} | {c['name']} | {val} | {tgt} | {'yes' if c['met'] else 'NO' + miss} |")
+    if scorer_metrics:
+        m = json.loads(Path(scorer_metrics).read_text())
+        ev = m.get("eval", m)
+        s, mg = ev["scorer"], ev["marginal"]
+        met = s["ece"] < mg["ece"]
+        L.append(f"| held-out traces | scorer ECE < marginal-product ECE | {s['ece']:.4f} vs {mg['ece']:.4f} | lower | "
+                 f"{'yes' if met else 'NO'} |")
+    L.append("")
+    if proj:
+        L += ["## Projection (NOT a measurement)", "",
+              f"The PROJECTED column combines the tau and nodes/round measured above with a verify-latency table "
+              f"measured on `{proj.get('machine')}` (model `{proj.get('model')}`, t0 {1000 * proj.get('t0', 0):.2f} ms): "
+              "tokens/s = tau / (t0 + latency[nodes - 1]). It ignores that a policy tuned on that machine would pick "
+              "other tree sizes.", ""]
+    paths = []
+    if plot_prefix:
+        Path(plot_prefix).parent.mkdir(parents=True, exist_ok=True)
+        paths = _plots(data["runs"], plot_prefix)
+        L += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in paths] + [""]
+    if notes:
+        L += [Path(notes).read_text()]
+    out = Path(out_md)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(L) + "\n")
+    return [out] + paths
