@@ -12,6 +12,7 @@ How to verify a tree with an HF target::
 
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="taps_tree")
     # or: model.set_attn_implementation("taps_tree") on transformers 5.x
+    # (transformers 5.x names the cache keyword `cache`; `past_key_values` still works there, with a warning)
     cache = DynamicCache()                      # holds prefix_len tokens for every row after the prefill
     model(input_ids=prompt, past_key_values=cache, use_cache=True)      # no tree: plain sdpa
     position_ids, meta = tree_forward_inputs(tree, prefix_lens)         # prefix_lens [B] int64 == cache length
