@@ -94,7 +94,7 @@ else
 fi
 
 # 4. Benchmarks (written elsewhere; called when present).
-if [ -f bench/bench_kernels.py ]; then run bench_kernels 90 $PY bench/bench_kernels.py; else skip bench_kernels "absent"; fi
+if [ -f bench/bench_kernels.py ]; then run bench_kernels 120 $PY bench/bench_kernels.py; else skip bench_kernels "absent"; fi
 if [ -f bench/bench_tree_ops.py ]; then run bench_tree_ops 60 $PY bench/bench_tree_ops.py --quick; else skip bench_tree_ops "absent"; fi
 
 # 5. Summary.
