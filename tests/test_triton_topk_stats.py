@@ -89,3 +89,24 @@ def test_public_op_dispatches_to_triton(device):
     stats = taps_kernels.topk_stats(logits.to(device), 7, backend="triton")
     _compare((stats.topk_logp, stats.topk_ids, stats.entropy, stats.margin, stats.topk_mass),
              topk_stats_reference(logits, 7))
+
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # hypothesis is a test extra; the fixed cases above still run
+    given = None
+
+if given is not None:
+    @pytest.mark.parametrize("device", DEVICES)
+    @settings(max_examples=12, deadline=None, derandomize=True)
+    @given(V=st.integers(1, 300), top_k=st.integers(1, 40), block_v=st.sampled_from([16, 32, 128]),
+           splits=st.integers(1, 4), levels=st.sampled_from([2, 5, 0]), seed=st.integers(0, 2 ** 16))
+    def test_random_shapes_and_ties(device, V, top_k, block_v, splits, levels, seed):
+        g = torch.Generator().manual_seed(seed)
+        if levels:  # few distinct values: ties everywhere
+            logits = torch.randint(0, levels, (1, 2, V), generator=g).float()
+        else:
+            logits = torch.randn(1, 2, V, generator=g)
+        got = topk_stats_triton(logits.to(device), top_k, block_v=block_v, num_splits=splits)
+        _compare(got, topk_stats_reference(logits, top_k))
