@@ -260,14 +260,15 @@ struct TreeArgs {
 
 // Checks tensors and the structure the walks index with (num_nodes range, parent < child); the full
 // check with the public op's messages is taps_kernels.layout.validate_tree.
+// ``depth`` may be undefined for ops that do not read it.
 TreeArgs check_tree(const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& num_nodes) {
   check_arg(parents, "tree.parents", {at::kInt}, {-1, -1});
   const int64_t B = parents.size(0), N = parents.size(1);
   if (N < 1) throw py::value_error("tree.parents: expected at least one node, received shape " + shape_str(parents.sizes()));
   check_count("tree.parents.shape[1]", N, 1);
-  check_arg(depth, "tree.depth", {at::kInt}, {B, N});
+  if (depth.defined()) check_arg(depth, "tree.depth", {at::kInt}, {B, N});
   check_arg(num_nodes, "tree.num_nodes", {at::kInt}, {B});
-  TreeArgs t{parents.contiguous(), depth.contiguous(), num_nodes.contiguous(), B, N};
+  TreeArgs t{parents.contiguous(), depth.defined() ? depth.contiguous() : at::Tensor(), num_nodes.contiguous(), B, N};
   const int32_t* nn = t.num_nodes.data_ptr<int32_t>();
   const int32_t* p = t.parents.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -387,9 +388,7 @@ std::vector<at::Tensor> tree_mask(const at::Tensor& parents, const at::Tensor& d
 // ------------------------------------------------------------------------------------------------ accept
 std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens_in, const at::Tensor& parents,
                                       const at::Tensor& num_nodes, const at::Tensor& target_in, int64_t path_len) {
-  check_arg(tokens_in, "tree.tokens", {at::kLong}, {-1, -1});
-  // accept_greedy's reference takes no depth; reuse the tree check with parents standing in for it.
-  const TreeArgs t = check_tree(parents, parents, num_nodes);
+  const TreeArgs t = check_tree(parents, at::Tensor(), num_nodes);
   check_arg(tokens_in, "tree.tokens", {at::kLong}, {t.B, t.N});
   check_arg(target_in, "target_tokens", {at::kLong}, {t.B, t.N});
   const int32_t P = check_count("path_len", path_len, 1);

@@ -14,9 +14,12 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Heap order for top-K: "a is worse than b" (smaller value, or same value and larger index).
-// std::push_heap with this comparator keeps the WORST kept element at the front.
-inline bool topk_worse(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+// Top-K order, "a ranks before b": NaN first (where torch.sort(descending=True) puts it), then the
+// larger value, then the smaller index. Used as the std heap comparator, it keeps the kept element that
+// ranks LAST at the front of the heap.
+inline bool topk_before(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+  const bool a_nan = std::isnan(a.first), b_nan = std::isnan(b.first);
+  if (a_nan || b_nan) return a_nan && (!b_nan || a.second < b.second);
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
@@ -37,31 +40,25 @@ void topk_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, T
   heap.clear();
   heap.reserve(static_cast<size_t>(K));
   int64_t i = 0;
-  // Fill with the first K non-NaN entries, then scan: ascending indices mean an equal value met later is
-  // never better, so a strict ">" against the worst kept value is the whole tie rule.
   for (; i < V && static_cast<int32_t>(heap.size()) < K; ++i) {
-    if (std::isnan(x[i])) continue;
     heap.emplace_back(x[i], i);
-    std::push_heap(heap.begin(), heap.end(), topk_worse);
+    std::push_heap(heap.begin(), heap.end(), topk_before);
   }
+  // Indices ascend, so an entry met later never wins a tie: it enters only when strictly better than
+  // the last kept one (a NaN beats any number; nothing beats a kept NaN).
   for (; i < V; ++i) {
     const float v = x[i];
-    if (v > heap.front().first) {
-      std::pop_heap(heap.begin(), heap.end(), topk_worse);
+    const float last = heap.front().first;
+    if (v > last || (std::isnan(v) && !std::isnan(last))) {
+      std::pop_heap(heap.begin(), heap.end(), topk_before);
       heap.back() = {v, i};
-      std::push_heap(heap.begin(), heap.end(), topk_worse);
+      std::push_heap(heap.begin(), heap.end(), topk_before);
     }
   }
-  // sort_heap with "worse" leaves best first.
-  std::sort_heap(heap.begin(), heap.end(), topk_worse);
-  const int32_t got = static_cast<int32_t>(heap.size());
-  for (int32_t k = 0; k < got; ++k) {
+  std::sort_heap(heap.begin(), heap.end(), topk_before);
+  for (int32_t k = 0; k < K; ++k) {
     vals[k] = heap[k].first;
     ids[k] = heap[k].second;
-  }
-  for (int32_t k = got; k < K; ++k) {  // only reached when the row holds NaNs
-    vals[k] = std::numeric_limits<float>::quiet_NaN();
-    ids[k] = -1;
   }
 }
 

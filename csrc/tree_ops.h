@@ -18,7 +18,7 @@ namespace taps {
 // ---------------------------------------------------------------------------------------------------------
 // Top-K of one row of log-probabilities.
 // x [V] float32 -> vals [K], ids [K] sorted by value descending, equal values by smaller index
-// (what a stable descending sort gives). K must be in [1, V]. NaN values are never selected.
+// (what a stable descending sort gives); NaN ranks above every number, as in torch.sort. K in [1, V].
 struct TopKWorkspace {
   std::vector<std::pair<float, int64_t>> heap;
 };

@@ -151,6 +151,15 @@ def test_topk_stats_infinite_logits():
         assert_same(getattr(a, f), getattr(b, f), f)
 
 
+def test_topk_stats_nan_row():
+    # A NaN logit makes the whole log-softmax row NaN; NaN ranks first, in index order (torch.sort's rule).
+    logits = torch.randn(1, 3, 11)
+    logits[0, 1, 4] = float("nan")
+    a, b = both(tk.topk_stats, logits, 4)
+    for f in ("topk_logp", "topk_ids", "entropy", "margin", "topk_mass"):
+        assert_same(getattr(a, f), getattr(b, f), f)
+
+
 def _oracle_prefixes(logits: torch.Tensor, K: int):
     """Every prefix over the top-K tokens of each position with its log mass (float64 numpy, no taps code)."""
     x = logits.double().numpy()

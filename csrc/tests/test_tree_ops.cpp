@@ -69,6 +69,15 @@ void test_topk_row() {
   CHECK_EQ(ids[0], 2);
   CHECK_EQ(ids[1], 0);
   CHECK_EQ(ids[2], 1);
+  // NaN first, in index order, as torch.sort(descending=True, stable=True) orders it.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float z[] = {1.f, nan, 5.f, nan, 2.f};
+  taps::topk_row(z, 5, 3, vals, ids, ws);
+  CHECK_EQ(ids[0], 1);
+  CHECK_EQ(ids[1], 3);
+  CHECK_EQ(ids[2], 2);
+  taps::topk_row(z, 5, 1, vals, ids, ws);
+  CHECK_EQ(ids[0], 1);
 }
 
 // Brute force: every prefix of the D x K lattice with its float32 mass accumulated from the root.
