@@ -50,6 +50,10 @@ def compact_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], pre
     for name, group in (("keys", keys), ("values", values)):
         for i, t in enumerate(group):
             check_tensor(f"{name}[{i}]", t, dtypes=FLOAT_DTYPES, shape=(B, None, L, None), device=ref.device)
+    ptrs = [t.data_ptr() for t in list(keys) + list(values)]
+    if len(set(ptrs)) != len(ptrs):
+        # A tensor listed twice would be moved twice by a sequential backend and once by a parallel one.
+        raise ValueError("keys/values: the same tensor appears more than once; list each cache tensor once")
     check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64, torch.int32), shape=(B,), device=ref.device)
     check_tensor("path", path, dtypes=(torch.int64,), ndim=2, device=ref.device)
     if path.shape[0] != B:
