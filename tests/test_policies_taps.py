@@ -1,0 +1,155 @@
+"""TAPS policies (taps, taps-paper, taps-fixed, taps-tiny, ddtree-cost): trees within budget and
+prefix-closed, built through the registry, and lossless in the decode loop (greedy == HF generate)."""
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from taps.decode import SpeculativeDecoder, make_policy
+from taps.decode.policies import available_policies
+from taps.decode.policies.taps import TapsPolicy
+from taps.models.drafter import DFlashConfig, DFlashDrafter
+from taps.scoring.io import save_scorer
+from taps.scoring.latency import save_table
+from taps.scoring.model import TapsScorer
+
+V, HID = 61, 32
+SPECS = ["taps", "taps:8", "taps-paper", "taps-paper:6", "taps-fixed:5", "taps-tiny:8", "ddtree-cost", "ddtree-cost:8"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def tiny_target(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=HID, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_drafter(seed=0, block_size=5):
+    torch.manual_seed(seed + 1000)
+    cfg = DFlashConfig(hidden_size=HID, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                       num_hidden_layers=2, vocab_size=V, block_size=block_size, num_target_layers=4,
+                       target_layer_ids=[0, 1], mask_token_id=V - 1, rope_theta=10000.0)
+    return DFlashDrafter(cfg).eval()
+
+
+def scorer(tiny, seed=3):
+    torch.manual_seed(seed)
+    m = TapsScorer(embed_dim=HID, hidden_dim=HID, max_depth=8, tiny=tiny, top_k=8)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Scorer dirs and a synthetic latency table (steep in n, like a CPU) behind the policies' env vars."""
+    d = tmp_path_factory.mktemp("taps")
+    save_scorer(d / "full", scorer(False), meta={})
+    save_scorer(d / "tiny", scorer(True), meta={})
+    table = {"latency": [0.05 + 0.004 * n for n in range(129)], "t0": 0.02, "machine": "test", "model": "test"}
+    save_table(table, d / "lat.json")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TAPS_SCORER", str(d / "full"))
+    mp.setenv("TAPS_SCORER_TINY", str(d / "tiny"))
+    mp.setenv("TAPS_LATENCY", str(d / "lat.json"))
+    mp.setenv("TAPS_POOL_SIZE", "24")
+    yield d
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_target(0), tiny_drafter(0)
+
+
+def test_registered():
+    names = available_policies()
+    for n in ("taps", "taps-paper", "taps-fixed", "taps-tiny", "ddtree-cost"):
+        assert n in names
+
+
+def check_tree(tree, cap, bonus):
+    n = int(tree.num_nodes[0])
+    assert 1 <= n <= cap + 1
+    assert int(tree.tokens[0, 0]) == bonus
+    par = tree.parents[0, :n].tolist()
+    dep = tree.depth[0, :n].tolist()
+    assert par[0] == -1 and dep[0] == 0
+    for i in range(1, n):  # prefix-closed, topological, depths consistent
+        assert 0 <= par[i] < i
+        assert dep[i] == dep[par[i]] + 1
+    # no duplicate (parent, token) pairs: the walk must be unambiguous
+    pairs = [(par[i], int(tree.tokens[0, i])) for i in range(1, n)]
+    assert len(pairs) == len(set(pairs))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_trees_within_budget_and_prefix_closed(env, models, spec):
+    target, drafter = models
+    pol = make_policy(spec)
+    pol.bind(target, drafter, torch.device("cpu"))
+    cap = int(spec.split(":")[1]) if ":" in spec else 64
+    g = torch.Generator().manual_seed(0)
+    for r in range(6):
+        logits = torch.randn(1, 4, V, generator=g) * (1 + r)
+        hidden = torch.randn(1, 4, HID, generator=g)
+        bonus = int(torch.randint(0, V, (1,), generator=g))
+        tree, times = pol.build(logits, hidden, torch.tensor([bonus]))
+        check_tree(tree, cap, bonus)
+        if spec.startswith("taps-fixed"):
+            assert int(tree.num_nodes[0]) == cap + 1
+        assert set(times) <= {"pool", "scoring", "selection"}
+
+
+def test_throughput_rule_shrinks_with_cost(models):
+    """Same scorer, steeper latency table -> no more nodes; a flat table -> the cap."""
+    target, drafter = models
+    sizes = {}
+    for name, slope in (("flat", 0.0), ("steep", 1.0)):
+        pol = TapsPolicy(16, rule="reach", pool_size=24, scorer=scorer(False).to_weights(), top_k=8,
+                         latency={"latency": [0.05 + slope * n for n in range(17)], "t0": 0.0})
+        pol.bind(target, drafter, torch.device("cpu"))
+        pol.overhead.update = lambda s: None  # keep t0 fixed: the test compares tables only
+        g = torch.Generator().manual_seed(1)
+        tree, _ = pol.build(torch.randn(1, 4, V, generator=g), torch.randn(1, 4, HID, generator=g), torch.tensor([3]))
+        sizes[name] = int(tree.num_nodes[0]) - 1
+    assert sizes["flat"] == 16
+    assert sizes["steep"] < sizes["flat"]
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    inp = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("spec", ["taps", "taps-paper", "taps-fixed:8", "taps-tiny", "ddtree-cost"])
+def test_lossless_vs_hf_generate(env, models, spec):
+    target, drafter = models
+    rng = random.Random(5)
+    dec = SpeculativeDecoder(target, make_policy(spec), drafter=drafter)
+    for _ in range(3):
+        prompt = [rng.randrange(V) for _ in range(rng.randint(2, 15))]
+        max_new = rng.randint(5, 20)
+        res = dec.generate(prompt, max_new)
+        assert res.token_ids == hf_greedy(target, prompt, max_new), (spec, prompt)
+
+
+def test_missing_scorer_dir_is_named(tmp_path, models, monkeypatch):
+    monkeypatch.setenv("TAPS_SCORER", str(tmp_path / "nope"))
+    target, drafter = models
+    with pytest.raises(FileNotFoundError, match="nope"):
+        SpeculativeDecoder(target, make_policy("taps-paper"), drafter=drafter)

@@ -1,0 +1,149 @@
+"""Scorer pipeline on tiny random models: traces, targets, training, evaluation (ECE), latency tables."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from taps.models.drafter import DFlashConfig, DFlashDrafter
+from taps.scoring.evaluate import evaluate_scorer, reliability
+from taps.scoring.latency import get_table, isotonic, measure_latency
+from taps.scoring.traces import accepted_mask, load_traces, split_by_prompt, stack_records, trace_prompt
+from taps.scoring.train import edge_targets, train_scorer
+
+V, HID, D = 61, 32, 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=HID, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None)
+    target = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(1)
+    dcfg = DFlashConfig(hidden_size=HID, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                        num_hidden_layers=2, vocab_size=V, block_size=D + 1, num_target_layers=4,
+                        target_layer_ids=[0, 1], mask_token_id=V - 1, rope_theta=10000.0)
+    return target, DFlashDrafter(dcfg).eval()
+
+
+@pytest.fixture(scope="module")
+def traces(models, tmp_path_factory):
+    from safetensors.torch import save_file
+
+    target, drafter = models
+    d = tmp_path_factory.mktemp("traces")
+    g = torch.Generator().manual_seed(2)
+    recs = []
+    for i in range(6):
+        prompt = torch.randint(0, V - 1, (8,), generator=g).tolist()
+        recs += trace_prompt(target, drafter, prompt, max_new_tokens=12, pool_size=20, top_k=6, lattice_k=4,
+                             stop_ids=set(), prompt_index=i)
+    save_file(stack_records(recs), str(d / "traces_00000.safetensors"))
+    return d, load_traces(d)
+
+
+def hf_greedy(model, prompt, n):
+    inp = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_trace_records_follow_the_greedy_continuation(models):
+    target, drafter = models
+    prompt = [5, 9, 17, 3, 44, 2]
+    recs = trace_prompt(target, drafter, prompt, max_new_tokens=10, pool_size=20, top_k=6, lattice_k=4,
+                        stop_ids=set())
+    ref = hf_greedy(target, prompt, 10 + D + 1)
+    got = [int(recs[0]["tokens"][0])]  # the first bonus
+    for r in recs:
+        n = int(r["accept_len"])
+        path = r["path"][:n].long()
+        assert torch.equal(path[0], torch.tensor(0))
+        toks = r["tokens"][path].tolist()
+        # each accepted child carries the target's argmax after its parent, and its child_prob is that of the argmax
+        for a, b in zip(path[:-1], path[1:]):
+            assert int(r["target_argmax"][a]) == int(r["tokens"][b])
+            assert int(r["parents"][b]) == int(a)
+            torch.testing.assert_close(r["child_prob"][b].float(), r["target_top1_prob"][a].float(), atol=1e-3, rtol=1e-3)
+        got += toks[1:] + [int(r["target_argmax"][path[-1]])]
+    assert got[: len(ref)] == ref[: len(got)]
+    r = recs[0]
+    N = 21
+    assert r["tokens"].shape == (N,) and r["hidden"].shape == (D, HID) and r["lattice_ids"].shape == (D, 4)
+    assert r["hidden"].dtype == torch.float16 and r["parents"].dtype == torch.int16
+
+
+def test_greedy_r_star_is_the_accepted_path(traces):
+    _, tr = traces
+    tgt = edge_targets(tr, "greedy")
+    acc = accepted_mask(tr)
+    assert torch.equal(tgt["r_star"] > 0.5, acc)
+    assert torch.equal(tgt["r_star"], acc.float())
+    soft = edge_targets(tr, "soft")
+    assert (soft["r_star"] <= 1).all() and (soft["p_other"] >= 0).all()
+
+
+def test_split_holds_out_whole_prompts(traces):
+    _, tr = traces
+    a, b = split_by_prompt(tr, 0.4)
+    assert a["tokens"].shape[0] + b["tokens"].shape[0] == tr["tokens"].shape[0]
+    assert not set(a["prompt_index"].tolist()) & set(b["prompt_index"].tolist())
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_training_loss_decreases(traces, models, tiny):
+    _, tr = traces
+    emb = models[0].get_input_embeddings().weight.detach()
+    model, hist = train_scorer(tr, None, emb, tiny=tiny, epochs=8, batch=8, lr=3e-3, seed=0, top_k=6, progress=False)
+    losses = [e["train"]["loss"] for e in hist["epochs"]]
+    assert losses[-1] < losses[0]
+    ev = evaluate_scorer(tr, model.to_weights(), emb, budgets=(2, 20))
+    assert ev["scorer"]["ece"] is not None
+
+
+def test_reliability_hand_made():
+    pred = torch.tensor([0.15, 0.15, 0.95, 0.95], dtype=torch.float64)
+    label = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    r = reliability(pred, label, bins=10)
+    assert r["ece"] == pytest.approx(0.5 * 0.35 + 0.5 * 0.05)
+    assert [b["count"] for b in r["bins"]] == [0, 2, 0, 0, 0, 0, 0, 0, 0, 2]
+    assert r["bins"][1]["acc"] == pytest.approx(0.5) and r["bins"][9]["pred"] == pytest.approx(0.95)
+    # perfectly calibrated -> 0; pred 1.0 lands in the last bin
+    assert reliability(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))["ece"] == 0.0
+
+
+def test_marginal_offline_tau_at_full_pool_is_the_trace_tau(traces):
+    _, tr = traces
+    ev = evaluate_scorer(tr, None, None, budgets=(20,))
+    assert ev["marginal"]["offline_tau"]["20"] == pytest.approx(float(tr["accept_len"].float().mean()))
+    assert "scorer" not in ev
+
+
+def test_isotonic():
+    assert isotonic([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
+    assert isotonic([3, 2, 1]) == [2, 2, 2]
+
+
+def test_calibrate_table(models, tmp_path, monkeypatch):
+    target, drafter = models
+    t = measure_latency(target, n_max=10, prefix_len=16, repeats=1, drafter=drafter)
+    lat = t["latency"]
+    assert len(lat) == 11
+    assert all(x > 0 for x in lat) and all(b >= a for a, b in zip(lat, lat[1:]))
+    assert t["t0"] > 0 and set(t["t0_parts"]) == {"draft", "context"}
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TAPS_LATENCY", raising=False)
+    t1 = get_table(target, None, n_max=6, repeats=1)
+    files = list((tmp_path / "latency").glob("*.json"))
+    assert len(files) == 1 and len(t1["latency"]) == 7
+    t2 = get_table(target, None, n_max=6)
+    assert t2["latency"] == t1["latency"]  # from the cache, not re-measured
