@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from .common import (add_model_flags, add_sampling_flags, hf_generate_item, load_drafter_cli, load_target_cli,
+from .common import (add_model_flags, drafter_dir_cli, add_sampling_flags, hf_generate_item, load_drafter_cli, load_target_cli,
                      parse_policies, quiet_warnings, run_item, sampling_from_args, setup_torch, stop_token_ids)
 
 
@@ -39,9 +39,18 @@ def build_decoders(model, tok, drafter, specs: List[str], sampling):
     from taps.decode import SpeculativeDecoder
     from taps.decode.policies import make_policy
 
+    from .common import CLIError
+
     stops = stop_token_ids(tok, model)
-    return {s: SpeculativeDecoder(model, make_policy(s), drafter=drafter, sampling=sampling, stop_token_ids=stops)
-            for s in specs}
+    decoders = {}
+    for s in specs:
+        try:
+            # bind() runs here: a policy whose learned parts (scorer, latency table) are missing fails now
+            decoders[s] = SpeculativeDecoder(model, make_policy(s), drafter=drafter, sampling=sampling,
+                                             stop_token_ids=stops)
+        except (FileNotFoundError, ValueError, KeyError, OSError) as e:
+            raise CLIError(f"policy {s}: {str(e).strip().splitlines()[0]}") from None
+    return decoders
 
 
 def run_suite(model, tok, decoders: Dict, items, max_new_tokens: int, seed: int = 0, warmup: int = 1,
@@ -150,9 +159,12 @@ def run(args) -> int:
         raise CLIError(f"--limit: expected an integer >= 1, received {args.limit}")
     items = load_jsonl(args.prompts, args.limit) if args.prompts else load_dataset(args.dataset or "humaneval", args.limit)
     setup_torch(args)
-    model, tok = load_target_cli(args)
     from taps.decode.policies import make_policy
-    drafter = load_drafter_cli(args, model) if any(make_policy(s).uses_drafter for s in specs) else None
+    need_drafter = any(make_policy(s).uses_drafter for s in specs)
+    if need_drafter:
+        drafter_dir_cli(args)
+    model, tok = load_target_cli(args)
+    drafter = load_drafter_cli(args, model) if need_drafter else None
     decoders = build_decoders(model, tok, drafter, specs, sampling)
     sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else sys.stdout
 

@@ -97,16 +97,22 @@ def _resolve_drafter_dir(path: str) -> Path:
     return p
 
 
-def load_drafter_cli(args, target_model):
-    """The drafter on the target's device and dtype, checked against the target's config."""
+def drafter_dir_cli(args) -> Path:
+    """The drafter directory, checked for its files (cheap: call it before loading the target)."""
     p = _resolve_drafter_dir(args.drafter)
     if not p.is_dir():
         raise CLIError(f"--drafter {args.drafter}: no such directory (train one with `taps train-drafter`, or "
-                       f"pass --policies ar to decode without a drafter)")
+                       f"use the ar policy to decode without a drafter)")
     if not (p / "config.json").is_file():
         raise CLIError(f"--drafter {p}: missing config.json")
-    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+    if not any(p.glob("*.safetensors")):
         raise CLIError(f"--drafter {p}: missing weights (*.safetensors)")
+    return p
+
+
+def load_drafter_cli(args, target_model):
+    """The drafter on the target's device and dtype, checked against the target's config."""
+    p = drafter_dir_cli(args)
     from taps.models import drafter as drafter_mod
 
     try:
@@ -232,5 +238,6 @@ def quiet_warnings() -> None:
     try:
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
     except Exception:
         pass

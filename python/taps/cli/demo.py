@@ -6,7 +6,7 @@ import sys
 import time
 
 from .bench import build_decoders, format_table, run_suite, summarize
-from .common import add_model_flags, load_drafter_cli, load_target_cli, positive_int, quiet_warnings, setup_torch
+from .common import CLIError, add_model_flags, drafter_dir_cli, load_drafter_cli, load_target_cli, positive_int, quiet_warnings, setup_torch
 
 DEMO_POLICIES = ("ar", "dflash", "ddtree:16")
 #: Policies shown when registered (added by later work); each must build from its bare name.
@@ -52,11 +52,21 @@ def run(args) -> int:
         items += [PromptItem(it.id, it.source, it.turns[:1]) for it in load_mtbench(args.mtbench)]
     setup_torch(args)
     t0 = time.perf_counter()
+    drafter_dir_cli(args)
     model, tok = load_target_cli(args)
     drafter = load_drafter_cli(args, model)
+    decoders = {}
+    for spec in specs:
+        try:
+            decoders.update(build_decoders(model, tok, drafter, [spec], None))
+        except CLIError as e:
+            if args.policies or spec not in OPTIONAL_POLICIES:
+                raise
+            print(f"(skipping {e})")
+    specs = list(decoders)
+
     print(f"target {args.target}, drafter {args.drafter}, {len(items)} prompts, {args.max_new_tokens} new tokens, "
           f"greedy; policies: {', '.join(specs)}")
-    decoders = build_decoders(model, tok, drafter, specs, None)
 
     def show(rec):
         print(f"  {rec['id']:<16} {rec['policy']:<12} {rec['new_tokens']:>4} tokens  tau {rec['tau']:.2f}  "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import (CLIError, add_model_flags, add_sampling_flags, check_fits, encode_prompt, load_drafter_cli,
+from .common import (CLIError, add_model_flags, drafter_dir_cli, add_sampling_flags, check_fits, encode_prompt, load_drafter_cli,
                      load_target_cli, quiet_warnings, sampling_from_args, setup_torch, stop_token_ids)
 
 
@@ -29,6 +29,8 @@ def run(args) -> int:
     policy = make_policy(args.policy)
     sampling = sampling_from_args(args)
     setup_torch(args)
+    if policy.uses_drafter:
+        drafter_dir_cli(args)
     model, tok = load_target_cli(args)
     drafter = load_drafter_cli(args, model) if policy.uses_drafter else None
     ids = encode_prompt(tok, args.prompt, raw=args.raw)

@@ -1,0 +1,137 @@
+"""The ``taps`` CLI end to end on tiny random models saved to disk (no downloads): JSON output, bench
+summary, demo check, and one-line errors with exit code 2 for bad input."""
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from taps.cli.main import main
+
+from test_decode_greedy import tiny_drafter, tiny_target  # noqa: F401  (shared tiny models)
+
+WORDS = [f"w{i}" for i in range(50)] + ["user", "assistant", "system"]
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def save_tiny_target(path, ctx=1024, seed=0):
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = TEMPLATE
+    model = tiny_target(seed, vocab=len(vocab), ctx=ctx)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model, tok = save_tiny_target(root / "target")
+    V = model.config.vocab_size
+    tiny_drafter(0, vocab=V).save_pretrained(root / "drafter", dtype=None)
+    bad = tiny_drafter(0, vocab=V + 1)
+    bad.save_pretrained(root / "bad_drafter", dtype=None)
+    save_tiny_target(root / "short", ctx=16)
+    (root / "no_weights").mkdir()
+    model.config.save_pretrained(root / "no_weights")
+    prompts = root / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w1 w2 w3 w4"}) + "\n" + json.dumps({"turns": ["w5 w6", "w7 w8 w9"]}) + "\n")
+    return root
+
+
+def run_cli(capsys, *argv):
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def common(assets, drafter="drafter", target="target"):
+    return ["--target", assets / target, "--drafter", assets / drafter, "--device", "cpu"]
+
+
+def test_generate_json_equals_ar(assets, capsys):
+    outs = {}
+    for policy in ("ar", "dflash", "ddtree:4"):
+        rc, out, err = run_cli(capsys, "generate", "--policy", policy, "--prompt", "w1 w2 w3", "--json",
+                               "--max-new-tokens", 14, *common(assets))
+        assert rc == 0, err
+        rec = json.loads(out)
+        assert {"token_ids", "text", "tau", "rounds"} <= set(rec)
+        assert isinstance(rec["text"], str) and 1 <= len(rec["token_ids"]) <= 14
+        outs[policy] = rec["token_ids"]
+    assert outs["dflash"] == outs["ar"] and outs["ddtree:4"] == outs["ar"]
+    rc, out, err = run_cli(capsys, "generate", "--policy", "ddtree:4", "--prompt", "w1 w2", "--raw",
+                           "--temperature", 0.9, "--top-p", 0.8, "--seed", 3, "--max-new-tokens", 5, *common(assets))
+    assert rc == 0 and out.strip() and "tau" in err
+
+
+def test_bench_summary(assets, capsys, tmp_path):
+    out_json = tmp_path / "s.json"
+    rc, out, err = run_cli(capsys, "bench", "--prompts", assets / "p.jsonl", "--policies", "dflash,ddtree:4",
+                           "--max-new-tokens", 8, "--warmup", 0, "--hf-baseline", "--out", out_json, *common(assets))
+    assert rc == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert len(records) == 2 * 4  # 2 prompts x (ar, dflash, ddtree:4, hf)
+    assert all(r["identical_to_ar"] for r in records)
+    summary = json.loads(out_json.read_text())["policies"]
+    assert set(summary) == {"ar", "dflash", "ddtree:4", "hf"}
+    for spec in ("ar", "dflash", "ddtree:4"):
+        s = summary[spec]
+        assert s["identical_to_ar"] == 2 and s["tau"] >= 1.0 and s["speedup"] > 0
+        assert {"tokens_per_s_median", "tokens_per_s_mean", "nodes_per_round", "time_split_s"} <= set(s)
+        assert {"draft", "verify", "accept", "compaction"} <= set(s["time_split_s"])
+    assert summary["ar"]["speedup"] == pytest.approx(1.0) and summary["ar"]["nodes_per_round"] == 1.0
+    assert "HF generate" in err and "speedup" in err
+
+
+def test_demo_checks_outputs(assets, capsys):
+    rc, out, err = run_cli(capsys, "demo", "--humaneval", 1, "--mtbench", 1, "--max-new-tokens", 6, *common(assets))
+    assert rc == 0, err
+    assert "OK: all" in out and "ddtree:16" in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["generate", "--policy", "ar", "--prompt", "   "], "--prompt: expected a non-empty prompt"),
+    (["generate", "--policy", "nope", "--prompt", "w1"], "unknown policy 'nope'"),
+    (["generate", "--policy", "ddtree:0", "--prompt", "w1"], "budget >= 1"),
+    (["generate", "--policy", "ar", "--prompt", "w1", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["generate", "--policy", "ar", "--prompt", "w1", "--temperature", "-1"], "temperature"),
+    (["bench", "--policies", "ar,bogus"], "unknown policy 'bogus'"),
+    (["bench", "--prompts", "/nonexistent/p.jsonl"], "no such file"),
+])
+def test_bad_input(assets, capsys, argv, msg):
+    rc, out, err = run_cli(capsys, *argv, *common(assets))
+    assert rc == 2 and msg in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("target,drafter,policy,msg", [
+    ("missing_dir", "drafter", "ar", "--target"),
+    ("no_weights", "drafter", "ar", "missing: weights"),
+    ("target", "missing_drafter", "dflash", "no such directory"),
+    ("target", "bad_drafter", "ddtree:4", "does not fit"),
+    ("short", "drafter", "ar", "do not fit the target's context of 16"),
+])
+def test_bad_models(assets, capsys, target, drafter, policy, msg):
+    prompt = " ".join(f"w{i % 50}" for i in range(40))
+    rc, out, err = run_cli(capsys, "generate", "--policy", policy, "--prompt", prompt,
+                           *common(assets, drafter=drafter, target=target))
+    assert rc == 2 and msg in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
