@@ -103,12 +103,15 @@ double thread_cpu_seconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
+void check_iters(int64_t iters) {
+  if (iters < 1) throw py::value_error("iters: expected an int >= 1, received " + std::to_string(iters));
+}
+
 // (wall seconds, calling-thread CPU seconds) per call. On a shared machine the CPU time is the better
 // estimate of the kernel's own cost (it leaves out time the thread waited to be scheduled); it counts
 // only the calling thread, so it is meaningful when the batch runs inline (small B).
 template <typename F>
 std::pair<double, double> seconds_per_iter(int64_t iters, const F& fn) {
-  if (iters < 1) throw py::value_error("iters: expected an int >= 1, received " + std::to_string(iters));
   fn();  // warm the workspaces and caches
   const double cpu_start = thread_cpu_seconds();
   const auto start = std::chrono::steady_clock::now();
@@ -209,6 +212,7 @@ std::vector<at::Tensor> best_first_pool(const at::Tensor& topk_logp, const at::T
 std::pair<double, double> time_best_first_pool(const at::Tensor& topk_logp, const at::Tensor& topk_ids, const at::Tensor& root_tokens,
                             int64_t pool_size, int64_t iters) {
   const PoolArgs a = check_pool_args(topk_logp, topk_ids, root_tokens, pool_size);
+  check_iters(iters);
   const at::Tensor lp = topk_logp.contiguous(), ids = topk_ids.contiguous(), roots = root_tokens.contiguous();
   py::gil_scoped_release no_gil;
   PoolOut o(a.B, a.pool_size + 1);
@@ -356,10 +360,49 @@ std::pair<double, double> time_select_subtree(const at::Tensor& parents, const a
                            double min_utility, int64_t iters) {
   const SelectArgs s = check_select(parents, depth, num_nodes, log_reach, max_nodes, latency, t0, rule, lambda_node,
                                     lambda_depth, min_utility);
+  check_iters(iters);
   py::gil_scoped_release no_gil;
   at::Tensor pool_index = at::empty({s.tree.B, max_nodes + 1}, at::kLong);
   at::Tensor num_selected = at::empty({s.tree.B}, at::kInt);
   return seconds_per_iter(iters, [&] { run_select(s, pool_index.data_ptr<int64_t>(), num_selected.data_ptr<int32_t>()); });
+}
+
+// Re-indexed kept subtree (the Selection.tree of select_subtree) from the pool and pool_index.
+std::vector<at::Tensor> reindex_subtree(const at::Tensor& tokens_in, const at::Tensor& parents, const at::Tensor& depth,
+                                        const at::Tensor& num_nodes, const at::Tensor& pool_index_in,
+                                        const at::Tensor& num_selected_in) {
+  const TreeArgs t = check_tree(parents, depth, num_nodes);
+  check_arg(tokens_in, "tree.tokens", {at::kLong}, {t.B, t.N});
+  check_arg(pool_index_in, "pool_index", {at::kLong}, {t.B, -1});
+  check_arg(num_selected_in, "num_selected", {at::kInt}, {t.B});
+  const int32_t M = check_count("pool_index.shape[1]", pool_index_in.size(1), 1);
+  const at::Tensor tokens = tokens_in.contiguous(), pool_index = pool_index_in.contiguous();
+  const int64_t* pi = pool_index.data_ptr<int64_t>();
+  for (int64_t k = 0; k < t.B * M; ++k) {
+    if (pi[k] < -1 || pi[k] >= t.N) {
+      throw py::value_error("pool_index[" + std::to_string(k / M) + "," + std::to_string(k % M) +
+                            "]: expected -1 or a pool node in [0, " + std::to_string(t.N) + "), received " +
+                            std::to_string(pi[k]));
+    }
+  }
+  py::gil_scoped_release no_gil;
+  at::Tensor out_tokens = at::empty({t.B, M}, at::kLong);
+  at::Tensor out_parents = at::empty({t.B, M}, at::kInt);
+  at::Tensor out_depth = at::empty({t.B, M}, at::kInt);
+  at::Tensor out_num_nodes = (num_selected_in + 1).to(at::kInt);
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  const int32_t* p = t.parents.data_ptr<int32_t>();
+  const int32_t* d = t.depth.data_ptr<int32_t>();
+  int64_t* ot = out_tokens.data_ptr<int64_t>();
+  int32_t* op = out_parents.data_ptr<int32_t>();
+  int32_t* od = out_depth.data_ptr<int32_t>();
+  for_batch(t.B, t.N + M, [&](int64_t b) {
+    thread_local std::vector<int32_t> new_of_old;
+    new_of_old.resize(static_cast<size_t>(t.N));
+    taps::reindex_subtree_one(tk + b * t.N, p + b * t.N, d + b * t.N, static_cast<int32_t>(t.N), pi + b * M, M,
+                              ot + b * M, op + b * M, od + b * M, new_of_old.data());
+  });
+  return {out_tokens, out_parents, out_depth, out_num_nodes};
 }
 
 // --------------------------------------------------------------------------------------------- tree mask
@@ -503,6 +546,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("log_reach"), py::arg("max_nodes"),
         py::arg("latency") = py::none(), py::arg("t0") = 0.0, py::arg("rule") = "reach", py::arg("lambda_node") = 1.0,
         py::arg("lambda_depth") = 0.002, py::arg("min_utility") = 0.0, py::arg("iters") = 1000);
+  m.def("reindex_subtree", &reindex_subtree,
+        "pool tree (tokens, parents, depth, num_nodes), pool_index [B,M] i64, num_selected [B] i32 -> "
+        "[tokens [B,M] i64, parents [B,M] i32, depth [B,M] i32, num_nodes [B] i32] of the kept subtree",
+        py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("pool_index"),
+        py::arg("num_selected"));
   m.def("tree_mask", &tree_mask, "-> [position_ids [B,N] i64, ancestor_bits [B,N,ceil(N/32)] i32]", py::arg("parents"),
         py::arg("depth"), py::arg("num_nodes"), py::arg("prefix_lens"));
   m.def("accept_greedy", &accept_greedy, "-> [path [B,path_len] i64, accept_len [B] i64, next_token [B] i64]",

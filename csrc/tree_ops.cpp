@@ -318,6 +318,28 @@ int32_t select_subtree_one(const int32_t* parents, const int32_t* depth, int32_t
   return count;
 }
 
+void reindex_subtree_one(const int64_t* tokens, const int32_t* parents, const int32_t* depth, int32_t N,
+                         const int64_t* pool_index, int32_t M, int64_t* out_tokens, int32_t* out_parents,
+                         int32_t* out_depth, int32_t* new_of_old) {
+  std::fill(new_of_old, new_of_old + N, -1);
+  for (int32_t k = 0; k < M; ++k) {
+    if (pool_index[k] >= 0) new_of_old[pool_index[k]] = k;
+  }
+  for (int32_t k = 0; k < M; ++k) {
+    const int64_t src = pool_index[k];
+    if (src < 0) {
+      out_tokens[k] = 0;
+      out_parents[k] = -1;
+      out_depth[k] = 0;
+      continue;
+    }
+    const int32_t p = parents[src];
+    out_tokens[k] = tokens[src];
+    out_parents[k] = p >= 0 ? new_of_old[p] : -1;
+    out_depth[k] = depth[src];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 void tree_mask_one(const int32_t* parents, const int32_t* depth, int32_t num_nodes, int32_t N, int64_t prefix_len,
                    int64_t* position_ids, int32_t* ancestor_bits) {

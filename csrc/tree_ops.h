@@ -78,6 +78,14 @@ struct SelectWorkspace {
 int32_t select_subtree_one(const int32_t* parents, const int32_t* depth, int32_t num_nodes, const float* log_reach,
                            const SelectParams& params, int64_t* pool_index, SelectWorkspace& ws);
 
+// Gathers the kept rows of a tree into a new one: pool_index [M] (kept pool nodes ascending, -1 padding)
+// -> tokens/parents/depth [M] with parents renumbered to the new rows (-1 for the root, for padding and
+// for a kept node whose parent was not kept); new_of_old [N] is scratch. pool_index entries must be -1
+// or in [0, N).
+void reindex_subtree_one(const int64_t* tokens, const int32_t* parents, const int32_t* depth, int32_t N,
+                         const int64_t* pool_index, int32_t M, int64_t* out_tokens, int32_t* out_parents,
+                         int32_t* out_depth, int32_t* new_of_old);
+
 // ---------------------------------------------------------------------------------------------------------
 // position_ids [N] = prefix_len + depth; ancestor_bits [N, W] (W = ceil(N/32)), bit j%32 of word j/32 of
 // row i set iff j is an ancestor of i or i itself; padding rows (i >= num_nodes) carry only their own bit.

@@ -296,6 +296,27 @@ def test_select_subtree_property(tree, seed, max_nodes, rule):
             assert len(kept) == min(max_nodes, int(tree.num_nodes[row]) - 1)
 
 
+@HYP
+@given(tree=trees(max_n=30), seed=st.integers(0, 2 ** 16), max_nodes=st.integers(1, 35))
+def test_reindex_subtree_extension_matches_python(tree, seed, max_nodes):
+    # _C.reindex_subtree is the C++ twin of ops/select.py::reindex_subtree (offered to the op to cut overhead).
+    from taps_kernels.ops.select import reindex_subtree
+    rng = random.Random(seed)
+    sel = tk.select_subtree(tree, _log_reach(rng, tree, "noisy"), max_nodes, backend="cpp")
+    # Also an arbitrary ascending subset (not prefix-closed): orphans get parent -1 in both.
+    rows = []
+    for b in range(tree.batch_size):
+        keep = sorted(rng.sample(range(int(tree.num_nodes[b])), min(max_nodes, int(tree.num_nodes[b]))))
+        rows.append(keep + [-1] * (max_nodes - len(keep)))
+    subset = torch.tensor(rows, dtype=torch.int64)
+    for pool_index, num_selected in ((sel.pool_index, sel.num_selected),
+                                     (subset, ((subset >= 0).sum(1) - 1).to(torch.int32))):
+        want = reindex_subtree(tree, pool_index, num_selected)
+        got = _C.reindex_subtree(tree.tokens, tree.parents, tree.depth, tree.num_nodes, pool_index, num_selected)
+        for f, g in zip(("tokens", "parents", "depth", "num_nodes"), got):
+            assert_same(getattr(want, f), g, f)
+
+
 def _closed_subsets(parents, n_real, size):
     """All prefix-closed sets of ``size`` non-root nodes (brute force over subsets)."""
     nodes = range(1, n_real)

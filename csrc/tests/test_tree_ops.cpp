@@ -275,6 +275,26 @@ void test_select_utility() {
   CHECK(select(t, 5, lr, p) == (std::vector<int64_t>{0}));
 }
 
+void test_reindex_subtree() {
+  //      0
+  //    1   2
+  //    3   4
+  Tree t({-1, 0, 0, 1, 2});
+  t.tokens = {10, 11, 12, 13, 14};
+  const int64_t keep[] = {0, 2, 3, 4, -1};  // 3 is kept without its parent 1
+  int64_t tok[5];
+  int32_t par[5], dep[5], scratch[5];
+  taps::reindex_subtree_one(t.tokens.data(), t.parents.data(), t.depth.data(), 5, keep, 5, tok, par, dep, scratch);
+  const int64_t want_tok[] = {10, 12, 13, 14, 0};
+  const int32_t want_par[] = {-1, 0, -1, 1, -1};
+  const int32_t want_dep[] = {0, 1, 2, 2, 0};
+  for (int k = 0; k < 5; ++k) {
+    CHECK_EQ(tok[k], want_tok[k]);
+    CHECK_EQ(par[k], want_par[k]);
+    CHECK_EQ(dep[k], want_dep[k]);
+  }
+}
+
 void test_tree_mask() {
   // The example of taps_kernels/layout.py: 0 -> 1 -> 3 and 0 -> 2.
   Tree t({-1, 0, 0, 1});
@@ -409,6 +429,7 @@ int main() {
   test_select_reach();
   test_select_throughput();
   test_select_utility();
+  test_reindex_subtree();
   test_tree_mask();
   test_accept_greedy();
   test_compact_kv();
