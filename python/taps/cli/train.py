@@ -81,7 +81,7 @@ def add_subcommands(subparsers):
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this many minutes")
+    p.add_argument("--max-minutes", type=float, default=None, help="training-time budget in minutes (counted over resumes): the cosine schedule ends and training stops when it is spent")
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--train-vocab", default="seen", choices=["seen", "full"],
                    help="softmax over tokens seen in the data (+ random negatives) or the full vocab")

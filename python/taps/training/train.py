@@ -173,10 +173,13 @@ def _init_weights(model: DFlashDrafter, std: float = 0.02):
             torch.nn.init.normal_(p, std=std)
 
 
-def _lr_at(step, total, warmup, base, min_ratio=0.1):
+def _lr_at(step, total, warmup, base, min_ratio=0.1, time_frac=0.0):
+    """Linear warmup, then cosine to ``min_ratio*base``; progress is the larger of
+    the step fraction and ``time_frac`` (elapsed / time budget), so a run with a
+    wall-clock budget ends its schedule on time whatever the throughput."""
     if step < warmup:
         return base * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    t = min(1.0, max((step - warmup) / max(1, total - warmup), time_frac))
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
@@ -264,7 +267,7 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
     ema = None
     seen_vocab = None
     while step < steps:
-        if max_minutes is not None and time.time() - t_start > max_minutes * 60:
+        if max_minutes is not None and extra["train_seconds"] + time.time() - seg_t > max_minutes * 60:
             print("time limit reached", flush=True)
             break
         if step % rescan_every == 0:
@@ -277,7 +280,10 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
         if len(ds) == 0:
             time.sleep(10)
             continue
-        cur_lr = _lr_at(step, steps, warmup, lr)
+        tf = 0.0
+        if max_minutes:
+            tf = (extra["train_seconds"] + time.time() - seg_t) / (max_minutes * 60)
+        cur_lr = _lr_at(step, steps, warmup, lr, time_frac=tf)
         for g in opt.param_groups:
             g["lr"] = cur_lr
         samples = [ds.get(rng.randrange(len(ds)), max_seq_len) for _ in range(batch_size)]
