@@ -68,10 +68,9 @@ namespace {
 // Binary min-heap on a vector, ordered by before(a, b) ("a comes out first"). replace_top walks the hole
 // to a leaf along the better child and sifts the new element up from there (Floyd): about half the
 // comparisons of a plain sift-down, which matters because each one is a mispredicted branch.
+// Places x at hole i or above it, moving lower-priority ancestors down.
 template <class T, class Before>
-void heap_push(std::vector<T>& h, const T& x, Before before) {
-  size_t i = h.size();
-  h.push_back(x);
+void sift_up(std::vector<T>& h, size_t i, const T& x, Before before) {
   while (i > 0) {
     const size_t p = (i - 1) / 2;
     if (!before(x, h[p])) break;
@@ -79,6 +78,12 @@ void heap_push(std::vector<T>& h, const T& x, Before before) {
     i = p;
   }
   h[i] = x;
+}
+
+template <class T, class Before>
+void heap_push(std::vector<T>& h, const T& x, Before before) {
+  h.push_back(x);
+  sift_up(h, h.size() - 1, x, before);
 }
 
 template <class T, class Before>
@@ -92,13 +97,7 @@ void heap_replace_top(std::vector<T>& h, const T& x, Before before) {
     h[i] = h[c];
     i = c;
   }
-  while (i > 0) {
-    const size_t p = (i - 1) / 2;
-    if (!before(x, h[p])) break;
-    h[i] = h[p];
-    i = p;
-  }
-  h[i] = x;
+  sift_up(h, i, x, before);
 }
 
 template <class T, class Before>
