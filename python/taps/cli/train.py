@@ -22,7 +22,8 @@ def _cmd_build_data(args):
     build_data(args.out, target=args.target, num_prompts=args.num_prompts, shard_size=args.shard_size,
                batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                num_feature_layers=args.num_feature_layers, layer_ids=_int_list(args.layer_ids), seed=args.seed,
-               feat_dtype=args.feat_dtype, threads=args.threads, deadline=deadline)
+               feat_dtype=args.feat_dtype, threads=args.threads, deadline=deadline,
+               part=args.part, num_parts=args.num_parts)
     print(json.dumps(data_summary(args.out), indent=1))
     return 0
 
@@ -59,6 +60,8 @@ def add_subcommands(subparsers):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-minutes", type=float, default=None, help="start no new shard after this many minutes")
+    p.add_argument("--part", type=int, default=0, help="this process writes shards s with s %% num_parts == part")
+    p.add_argument("--num-parts", type=int, default=1)
     p.set_defaults(func=_cmd_build_data)
 
     p = subparsers.add_parser("train-drafter", help="train a DFlash drafter on build-data shards")

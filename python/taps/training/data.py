@@ -95,9 +95,12 @@ def generate_batch(model, tok, prompt_ids: List[List[int]], max_new_tokens: int,
 def build_data(out_dir: str, target: str = "smollm2", num_prompts: int = 4000, shard_size: int = 96,
                batch_size: int = 48, max_new_tokens: int = 192, max_prompt_tokens: int = 384,
                num_feature_layers: int = 5, layer_ids: Optional[List[int]] = None, seed: int = 0,
-               feat_dtype: str = "float16", threads: Optional[int] = None, deadline: Optional[float] = None):
+               feat_dtype: str = "float16", threads: Optional[int] = None, deadline: Optional[float] = None,
+               part: int = 0, num_parts: int = 1):
     """Generate shards under ``out_dir`` (resumable). ``deadline``: unix time after
-    which no new shard is started."""
+    which no new shard is started. ``part``/``num_parts``: this process writes the
+    shards ``s`` with ``s % num_parts == part`` (several 1-thread processes share
+    one data dir)."""
     from tqdm import tqdm
 
     if threads:
@@ -118,8 +121,8 @@ def build_data(out_dir: str, target: str = "smollm2", num_prompts: int = 4000, s
             "num_prompts": len(prompts), "shard_size": shard_size, "max_new_tokens": max_new_tokens,
             "prompt_mode": "chat", "seed": seed, "feat_dtype": feat_dtype,
             "eval_filter_dropped": getattr(build_prompts, "last_dropped", None)}
-    meta_p.write_text(json.dumps(meta, indent=1))
-    (out / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    _atomic_write(meta_p, json.dumps(meta, indent=1))
+    _atomic_write(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
     cap = _FeatureCapture(model, layer_ids)
     dt = getattr(torch, feat_dtype)
     nshards = (len(prompts) + shard_size - 1) // shard_size
@@ -127,7 +130,7 @@ def build_data(out_dir: str, target: str = "smollm2", num_prompts: int = 4000, s
     pbar = tqdm(range(nshards), desc="build-data", unit="shard")
     for s in pbar:
         sp = out / f"shard_{s:05d}.pt"
-        if sp.exists():
+        if s % num_parts != part or sp.exists():
             continue
         if deadline is not None and time.time() > deadline:
             print("deadline reached, stopping", flush=True)
@@ -168,6 +171,12 @@ def build_data(out_dir: str, target: str = "smollm2", num_prompts: int = 4000, s
         pbar.set_postfix(resp_tok=nresp, tok_s=f"{nresp / el:.0f}")
     cap.remove()
     return out
+
+
+def _atomic_write(path: Path, text: str):
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def list_shards(data_dir: str) -> List[Path]:
