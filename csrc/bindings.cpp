@@ -474,6 +474,14 @@ at::Tensor compact_kv(const std::vector<at::Tensor>& keys, const std::vector<at:
                        c.size(3), c.stride(0), c.stride(1), c.stride(2), c.stride(3)});
     }
   }
+  for (size_t i = 0; i < views.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (views[i].data == views[j].data) {
+        // Moved twice by this sequential loop but once by a parallel backend: refuse, as the op does.
+        throw py::value_error("keys/values: the same tensor appears more than once; list each cache tensor once");
+      }
+    }
+  }
   check_arg(prefix_lens_in, "prefix_lens", {at::kLong, at::kInt}, {B});
   check_arg(path_in, "path", {at::kLong}, {B, -1});
   const at::Tensor prefix_lens = prefix_lens_in.to(at::kLong).contiguous(), path = path_in.contiguous();

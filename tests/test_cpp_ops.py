@@ -561,6 +561,8 @@ def test_bad_arguments_name_the_argument(call, exc, match):
                           torch.zeros(2, dtype=torch.int64)), ValueError, r"tree\.parents\[0,2\]"),
     (lambda: _C.accept_greedy(_small_tree().tokens, _small_tree().parents, torch.tensor([5, 6], dtype=torch.int32),
                               torch.zeros(2, 5, dtype=torch.int64), 3), ValueError, r"tree\.num_nodes\[1\]"),
+    (lambda: _C.compact_kv([LR.view(2, 1, 5, 1)], [LR.view(2, 1, 5, 1)], torch.zeros(2, dtype=torch.int64),
+                           torch.zeros(2, 1, dtype=torch.int64)), ValueError, "same tensor appears more than once"),
 ])
 def test_extension_checks_its_own_arguments(call, exc, match):
     # The bindings re-check what their memory accesses rely on, even when called without the public op.
