@@ -118,7 +118,8 @@ class SpeculativeDecoder:
         self.stats = GenerationStats(prompt_len=len(prompt_ids))
         self.generated, self.stop_reason = [], None
         t0 = time.perf_counter()
-        logits, feats = self.verifier.prefill(torch.tensor([prompt_ids], dtype=torch.int64))
+        logits, feats = self.verifier.prefill(torch.tensor([prompt_ids], dtype=torch.int64),
+                                              capacity=len(prompt_ids) + self.max_new_tokens + 64)
         if self.drafter is not None:
             self._state = self.drafter.new_state(batch_size=1)
             self.drafter.append_context(self._state, feats)

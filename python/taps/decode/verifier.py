@@ -19,6 +19,70 @@ import taps_kernels
 from taps_kernels import Tree
 
 
+try:
+    from transformers.cache_utils import DynamicLayer as _DynamicLayer
+except ImportError:  # transformers without per-layer cache objects: plain DynamicCache rows
+    _DynamicLayer = None
+
+
+if _DynamicLayer is not None:
+    class PreallocatedLayer(_DynamicLayer):
+        """A ``DynamicLayer`` whose rows live in a buffer allocated once per generation.
+
+        HF's ``DynamicLayer`` concatenates (copies the whole layer) at every forward; here a forward
+        writes only its new rows, cropping is O(1), and ``keys``/``values`` are views ``[B, H, n, Dh]``
+        of the buffer, so :func:`taps_kernels.compact_kv` moves rows in place. The buffer doubles when
+        full.
+        """
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity = max(int(capacity), 1)
+            self._k = self._v = None
+            self._n = 0
+
+        def lazy_initialization(self, key_states, value_states, *args, **kwargs):
+            B, H, _, Dh = key_states.shape
+            self._k = key_states.new_empty(B, H, self.capacity, Dh)
+            self._v = value_states.new_empty(B, H, self.capacity, value_states.shape[-1])
+            self.device, self.dtype = key_states.device, key_states.dtype
+            self.is_initialized = True
+            self.set_length(0)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, t = self._n, key_states.shape[-2]
+            if n + t > self._k.shape[-2]:
+                cap = max(2 * self._k.shape[-2], n + t)
+                k, v = self._k, self._v
+                self._k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+                self._v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+                self._k[:, :, :n] = k[:, :, :n]
+                self._v[:, :, :n] = v[:, :, :n]
+            self._k[:, :, n:n + t] = key_states
+            self._v[:, :, n:n + t] = value_states
+            self.set_length(n + t)
+            return self.keys, self.values
+
+        def set_length(self, n: int) -> None:
+            self._n = n
+            self.keys = self._k[:, :, :n]
+            self.values = self._v[:, :, :n]
+
+        def get_seq_length(self) -> int:
+            return self._n
+
+        def crop(self, tokens_to_remove: int) -> None:
+            # transformers 5 semantics: a negative count of rows to drop
+            if tokens_to_remove > 0:
+                raise ValueError(f"tokens_to_remove: expected a count <= 0, received {tokens_to_remove}")
+            if self.is_initialized:
+                self.set_length(self._n + tokens_to_remove)
+else:
+    PreallocatedLayer = None
+
+
 def _slice_tree(tree: Tree, n: int) -> Tree:
     if tree.tokens.shape[1] == n:
         return tree
@@ -69,15 +133,29 @@ class TargetVerifier:
         if not 0 <= length <= rows:
             raise ValueError(f"length: expected 0 <= length <= {rows} cached rows, received {length}")
         if length < rows:
-            for layer in self._layers():
-                layer.keys = layer.keys[:, :, :length]
-                layer.values = layer.values[:, :, :length]
+            self._truncate(length)
         self.length = length
 
-    def reset(self) -> None:
+    def _truncate(self, length: int) -> None:
+        for layer in self._layers():
+            if hasattr(layer, "set_length"):
+                layer.set_length(length)
+            else:
+                layer.keys = layer.keys[:, :, :length]
+                layer.values = layer.values[:, :, :length]
+
+    def reset(self, capacity: int = 0) -> None:
+        """Start an empty cache with room for ``capacity`` rows per layer (it grows if needed)."""
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.model.config)
+        cfg = self.model.config
+        plain = (PreallocatedLayer is None or getattr(cfg, "sliding_window", None)
+                 or getattr(cfg, "layer_types", None) and any(t != "full_attention" for t in cfg.layer_types))
+        if plain:  # sliding-window layers keep HF's own cache classes
+            self.cache = DynamicCache(config=cfg)
+        else:
+            self.cache = DynamicCache()
+            self.cache.layers = [PreallocatedLayer(capacity) for _ in range(cfg.num_hidden_layers)]
         self.length = 0
 
     def features(self, hidden_states, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -93,16 +171,17 @@ class TargetVerifier:
     # --- forwards ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def prefill(self, prompt_ids: torch.Tensor, capacity: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Run the prompt into a fresh cache.
 
         Args:
             prompt_ids: ``[1, T] int64``.
+            capacity: expected cache rows (prompt + output + one tree) to preallocate.
         Returns:
             ``(logits [V], features [1, T, n*H] or None)``: the target's logits after the last prompt token,
             and the drafter's context features of every prompt token.
         """
-        self.reset()
+        self.reset(max(capacity, prompt_ids.shape[1]))
         want_hidden = self.feature_layer_ids is not None
         out = self.model(input_ids=prompt_ids.to(self.device), use_cache=True, **{self._cache_kw: self.cache},
                          output_hidden_states=want_hidden, logits_to_keep=1)
@@ -155,6 +234,4 @@ class TargetVerifier:
         rows = self._cache_rows()
         self.length += accept_len
         if self.length < rows:
-            for layer in self._layers():
-                layer.keys = layer.keys[:, :, :self.length]
-                layer.values = layer.values[:, :, :self.length]
+            self._truncate(self.length)
