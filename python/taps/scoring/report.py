@@ -175,11 +175,23 @@ def _plots(runs: List[dict], prefix: str) -> List[Path]:
     return paths
 
 
+def merge_bench(paths) -> dict:
+    """One bench dict from several ``bench-suite`` JSONs (e.g. one per dataset, run side by side): runs are
+    concatenated, the config is the first file's with every command kept."""
+    datas = [json.loads(Path(p).read_text()) for p in paths]
+    cfg = dict(datas[0]["config"])
+    if len(datas) > 1:
+        cfg["command"] = "\n".join(d["config"].get("command", "") for d in datas)
+        cfg["wall_s"] = " + ".join(str(d["config"].get("wall_s")) for d in datas)
+    runs = [r for d in datas for r in d["runs"]]
+    return {"config": cfg, "runs": runs}
+
+
 def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results/taps_cpu",
                  scorer_metrics: Optional[str] = None, projection: Optional[str] = None,
                  notes: Optional[str] = None) -> List[Path]:
     """Write the markdown report (and plots); returns the written paths."""
-    data = json.loads(Path(bench_json).read_text())
+    data = merge_bench(bench_json if isinstance(bench_json, (list, tuple)) else [bench_json])
     cfg = data["config"]
     proj = json.loads(Path(projection).read_text()) if projection else None
     L = [f"# TAPS benchmark: {cfg.get('target')} on {cfg.get('device')} ({cfg.get('threads')} threads)", "",

@@ -1,0 +1,45 @@
+"""taps report: the "must show" checks and the markdown/plots from a synthetic bench-suite JSON."""
+import json
+
+import pytest
+
+from taps.scoring.report import check_targets, projected_tps, write_report
+
+
+def pol(tau, nodes, tps, same=2, prompts=2):
+    return {"tau": tau, "nodes_per_round": nodes, "tokens_per_s_median": tps, "speedup": tps / 10, "rounds": 10,
+            "identical_to_ar": same, "prompts": prompts, "time_split_frac": {"verify": 0.5},
+            "selection_overhead_ms_per_round": 1.0, "accept_len_hist": {"1": 3, "2": 7}}
+
+
+def run(temp=0.0, same=2):
+    p = {"ar": pol(1, 1, 10), "dflash": pol(3, 16, 20), "ddtree:8": pol(3.0, 9, 24), "ddtree:16": pol(3.2, 17, 22),
+         "taps-fixed:8": pol(3.3, 9, 25), "taps": pol(3.4, 6, 30, same=same)}
+    return {"dataset": "humaneval", "temperature": temp, "prompts": 2, "policies": p, "best_ddtree": "ddtree:8"}
+
+
+def test_check_targets_values():
+    checks = {c["name"]: c for c in check_targets(run())}
+    c = next(v for k, v in checks.items() if k.startswith("TAPS tau / DDTree tau at 8"))
+    assert c["value"] == pytest.approx(1.1) and c["met"]
+    c = checks["TAPS tok/s / DFlash tok/s"]
+    assert c["value"] == pytest.approx(1.5) and c["met"]
+    c = next(v for k, v in checks.items() if k.startswith("TAPS tok/s / best fixed-budget"))
+    assert c["value"] == pytest.approx(1.25) and c["met"]
+    assert checks["lossless: every output identical to AR (temperature 0)"]["met"]
+    bad = {c["name"]: c for c in check_targets(run(same=1))}
+    assert not bad["lossless: every output identical to AR (temperature 0)"]["met"]
+
+
+def test_projection_interpolates_the_table():
+    table = {"latency": [0.01, 0.02, 0.03], "t0": 0.01}
+    assert projected_tps({"tau": 2.0, "nodes_per_round": 2.5}, table) == pytest.approx(2.0 / (0.01 + 0.025))
+
+
+def test_write_report(tmp_path):
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps({"config": {"command": "taps bench-suite", "note": "SUBSET"}, "runs": [run(), run(1.0)]}))
+    paths = write_report(str(b), tmp_path / "r.md", plot_prefix=str(tmp_path / "p"))
+    text = (tmp_path / "r.md").read_text()
+    assert "SUBSET" in text and "ddtree:8 (oracle best DDTree)" in text and "n/a (sampled)" in text
+    assert len(paths) == 4 and all(p.exists() for p in paths)
