@@ -151,7 +151,7 @@ def evaluate_scorer(traces: Dict[str, torch.Tensor], weights: Optional[ScorerWei
 def format_eval(res: Dict[str, object]) -> str:
     """Human-readable summary of :func:`evaluate_scorer` output."""
     lines = [f"{res['rounds']} held-out rounds, {res['nodes']} pool nodes, accept rate {res['accept_rate']:.4f}, "
-             f"greedy tau over the full pool {res["tau_pool"]:.2f}"]
+             f"greedy tau over the full pool {res['tau_pool']:.2f}"]
     names = [n for n in ("scorer", "marginal") if n in res]
     for n in names:
         r = res[n]
