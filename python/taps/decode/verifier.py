@@ -226,7 +226,7 @@ class TargetVerifier:
             accept_len: accepted nodes (root included).
         """
         nodes = path[0, :accept_len]
-        if not bool((nodes == torch.arange(accept_len, device=nodes.device)).all()):
+        if accept_len > 1 and not bool((nodes == torch.arange(accept_len, device=nodes.device)).all()):
             layers = self._layers()
             prefix = torch.tensor([self.length], dtype=torch.int64, device=self.device)
             taps_kernels.compact_kv([layer.keys for layer in layers], [layer.values for layer in layers], prefix,
