@@ -39,4 +39,13 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def check_prefix_lens(prefix_lens, B: int, device) -> torch.Tensor:
+    """``prefix_lens [B]`` int64/int32, on ``device``, all >= 0; returned as int64."""
+    check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64, torch.int32), shape=(B,), device=device)
+    if (prefix_lens < 0).any():
+        b = int((prefix_lens < 0).nonzero()[0])
+        raise ValueError(f"prefix_lens[{b}]: expected >= 0, received {int(prefix_lens[b])}")
+    return prefix_lens.long()
+
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -102,6 +102,12 @@ def unavailable_reason(backend: str, device: torch.device, op: Optional[str] = N
     return _triton_reason(device)
 
 
+def has_impl(op: str, backend: str) -> bool:
+    """Whether ``backend`` registered an implementation of ``op`` (available or not on this machine)."""
+    _ensure_registered()
+    return (op, backend) in _IMPLS
+
+
 def resolve(op: str, backend: Optional[str], device: torch.device) -> Tuple[str, Callable]:
     """Pick the implementation of ``op`` for tensors on ``device``; return ``(backend name, callable)``."""
     _ensure_registered()

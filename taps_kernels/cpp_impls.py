@@ -46,6 +46,9 @@ def select_subtree_cpp(parents: torch.Tensor, depth: torch.Tensor, num_nodes: to
                                    lambda_depth, min_utility))
 
 
+register("reindex_subtree", "cpp")(_C.reindex_subtree)
+
+
 @register("tree_mask", "cpp")
 def tree_mask_cpp(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor, prefix_lens: torch.Tensor):
     """-> ``(position_ids [B,N] int64, ancestor_bits [B,N,ceil(N/32)] int32)``."""

@@ -16,6 +16,7 @@ register("topk_stats", "reference", gpu_order=("triton",))(ref.topk_stats_refere
 register("best_first_pool", "reference", gpu_order=("cuda",))(ref.best_first_pool_reference)
 register("propagate_reach", "reference", gpu_order=("cuda",))(ref.propagate_reach_reference)
 register("select_subtree", "reference", gpu_order=("cuda",))(ref.select_subtree_reference)
+register("reindex_subtree", "reference")(ref.reindex_subtree_reference)
 register("tree_mask", "reference", gpu_order=("cuda",))(ref.tree_mask_reference)
 register("tree_attention", "reference", gpu_order=("triton",))(ref.tree_attention_reference)
 register("accept_greedy", "reference", gpu_order=("cuda",))(ref.accept_greedy_reference)

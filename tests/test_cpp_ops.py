@@ -299,8 +299,8 @@ def test_select_subtree_property(tree, seed, max_nodes, rule):
 @HYP
 @given(tree=trees(max_n=30), seed=st.integers(0, 2 ** 16), max_nodes=st.integers(1, 35))
 def test_reindex_subtree_extension_matches_python(tree, seed, max_nodes):
-    # _C.reindex_subtree is the C++ twin of ops/select.py::reindex_subtree (offered to the op to cut overhead).
-    from taps_kernels.ops.select import reindex_subtree
+    # _C.reindex_subtree is the C++ twin of the torch re-indexer that select_subtree uses off the cpp backend.
+    from taps_kernels.reference.select import reindex_subtree_reference
     rng = random.Random(seed)
     sel = tk.select_subtree(tree, _log_reach(rng, tree, "noisy"), max_nodes, backend="cpp")
     # Also an arbitrary ascending subset (not prefix-closed): orphans get parent -1 in both.
@@ -311,10 +311,11 @@ def test_reindex_subtree_extension_matches_python(tree, seed, max_nodes):
     subset = torch.tensor(rows, dtype=torch.int64)
     for pool_index, num_selected in ((sel.pool_index, sel.num_selected),
                                      (subset, ((subset >= 0).sum(1) - 1).to(torch.int32))):
-        want = reindex_subtree(tree, pool_index, num_selected)
-        got = _C.reindex_subtree(tree.tokens, tree.parents, tree.depth, tree.num_nodes, pool_index, num_selected)
-        for f, g in zip(("tokens", "parents", "depth", "num_nodes"), got):
-            assert_same(getattr(want, f), g, f)
+        args = (tree.tokens, tree.parents, tree.depth, tree.num_nodes, pool_index, num_selected)
+        want = reindex_subtree_reference(*args)
+        got = _C.reindex_subtree(*args)
+        for f, w, g in zip(("tokens", "parents", "depth", "num_nodes"), want, got):
+            assert_same(w, g, f)
 
 
 def _closed_subsets(parents, n_real, size):

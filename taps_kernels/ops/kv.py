@@ -5,7 +5,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_tensor
+from .._checks import FLOAT_DTYPES, check_prefix_lens, check_tensor
 from ..backend import resolve
 
 
@@ -54,7 +54,7 @@ def compact_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], pre
     if len(set(ptrs)) != len(ptrs):
         # A tensor listed twice would be moved twice by a sequential backend and once by a parallel one.
         raise ValueError("keys/values: the same tensor appears more than once; list each cache tensor once")
-    check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64, torch.int32), shape=(B,), device=ref.device)
+    prefix_lens = check_prefix_lens(prefix_lens, B, ref.device)
     check_tensor("path", path, dtypes=(torch.int64,), ndim=2, device=ref.device)
     if path.shape[0] != B:
         raise ValueError(f"path: expected shape ({B}, P), received {tuple(path.shape)}")

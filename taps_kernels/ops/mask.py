@@ -5,18 +5,10 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import check_prefix_lens, check_tensor
 from ..backend import resolve
 from ..layout import Tree
 from ..reference.attention import tree_visibility
-
-
-def _check_prefix_lens(prefix_lens: torch.Tensor, B: int, device) -> torch.Tensor:
-    check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64, torch.int32), shape=(B,), device=device)
-    if (prefix_lens < 0).any():
-        b = int((prefix_lens < 0).nonzero()[0])
-        raise ValueError(f"prefix_lens[{b}]: expected >= 0, received {int(prefix_lens[b])}")
-    return prefix_lens.long()
 
 
 def tree_mask(tree: Tree, prefix_lens: torch.Tensor, backend: Optional[str] = None):
@@ -30,7 +22,7 @@ def tree_mask(tree: Tree, prefix_lens: torch.Tensor, backend: Optional[str] = No
         (bit ``j%32`` of word ``j//32`` of row ``i``: node j is an ancestor of i or i itself).
     """
     tree.validate("tree")
-    prefix_lens = _check_prefix_lens(prefix_lens, tree.batch_size, tree.device)
+    prefix_lens = check_prefix_lens(prefix_lens, tree.batch_size, tree.device)
     _, fn = resolve("tree_mask", backend, tree.device)
     return fn(tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous(), prefix_lens.contiguous())
 
@@ -47,7 +39,7 @@ def ancestor_bits_to_additive_mask(ancestor_bits: torch.Tensor, prefix_lens: tor
     B, N, W = ancestor_bits.shape
     if W != (N + 31) // 32:
         raise ValueError(f"ancestor_bits: expected {(N + 31) // 32} words per row for {N} nodes, received {W}")
-    prefix_lens = _check_prefix_lens(prefix_lens, B, ancestor_bits.device)
+    prefix_lens = check_prefix_lens(prefix_lens, B, ancestor_bits.device)
     if int(prefix_lens.max()) + N > kv_len:
         raise ValueError(f"kv_len: expected >= max(prefix_lens) + N = {int(prefix_lens.max()) + N}, received {kv_len}")
     visible = tree_visibility(ancestor_bits, prefix_lens, kv_len)

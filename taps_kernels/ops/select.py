@@ -6,29 +6,10 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .._checks import FLOAT_DTYPES, check_positive_int, check_tensor
-from ..backend import resolve
+from ..backend import has_impl, resolve
 from ..layout import Selection, Tree
 
 RULES = ("reach", "utility")
-
-
-def reindex_subtree(tree: Tree, pool_index: torch.Tensor, num_selected: torch.Tensor) -> Tree:
-    """Gather the kept rows of ``tree`` (``pool_index [B,M]`` ascending, -1 padded) into a new, re-indexed Tree."""
-    B, N = tree.tokens.shape
-    M = pool_index.shape[1]
-    keep = pool_index >= 0
-    src = pool_index.clamp(min=0)
-    # Padding rows scatter into a spare column N that is dropped afterwards.
-    slot = torch.where(keep, src, torch.full_like(src, N))
-    new_of_old = torch.full((B, N + 1), -1, dtype=torch.int64, device=tree.device)
-    new_of_old.scatter_(1, slot, torch.arange(M, device=tree.device).expand(B, M).contiguous())
-    new_of_old = new_of_old[:, :N]
-    old_parent = tree.parents.long().gather(1, src)
-    new_parent = torch.where(old_parent >= 0, new_of_old.gather(1, old_parent.clamp(min=0)), old_parent)
-    tokens = torch.where(keep, tree.tokens.gather(1, src), torch.zeros_like(src))
-    parents = torch.where(keep, new_parent, torch.full_like(new_parent, -1)).to(torch.int32)
-    depth = torch.where(keep, tree.depth.gather(1, src), torch.zeros_like(tree.depth.gather(1, src)))
-    return Tree(tokens, parents, depth, (num_selected + 1).to(torch.int32))
 
 
 def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
@@ -60,15 +41,21 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
     if latency is not None:
         latency = torch.as_tensor(latency, dtype=torch.float64)
         check_tensor("latency", latency, ndim=1)
-        if latency.numel() < 1 or not torch.isfinite(latency).all() or (latency + t0 <= 0).any():
-            raise ValueError(f"latency: expected a non-empty 1-D table of finite seconds with t0 + latency[n] > 0, "
+        # min() propagates NaN and a NaN comparison is False: one reduction checks both.
+        if latency.numel() < 1 or not float(latency.min()) + t0 > 0:
+            raise ValueError(f"latency: expected a non-empty 1-D table of seconds with t0 + latency[n] > 0, "
                              f"received {latency.tolist()[:8]}... (t0={t0})")
         if rule != "reach":
             raise ValueError("latency: the throughput rule needs rule='reach'")
     if rule == "utility" and lambda_node <= 0:
         raise ValueError(f"lambda_node: expected > 0 for the utility rule, received {lambda_node}")
-    _, fn = resolve("select_subtree", backend, tree.device)
+    name, fn = resolve("select_subtree", backend, tree.device)
     pool_index, num_selected = fn(tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous(),
                                   log_reach.float().contiguous(), max_nodes, latency, float(t0), rule,
                                   float(lambda_node), float(lambda_depth), float(min_utility))
-    return Selection(reindex_subtree(tree, pool_index, num_selected), pool_index, num_selected)
+    # Re-index with the same backend when it has a re-indexer (cpp); else the torch version, which runs anywhere.
+    _, reindex = resolve("reindex_subtree", name if has_impl("reindex_subtree", name) else "reference", tree.device)
+    tokens, parents, depth, num_nodes = reindex(tree.tokens.contiguous(), tree.parents.contiguous(),
+                                                tree.depth.contiguous(), tree.num_nodes.contiguous(), pool_index,
+                                                num_selected)
+    return Selection(Tree(tokens, parents, depth, num_nodes), pool_index, num_selected)

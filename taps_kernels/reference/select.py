@@ -78,3 +78,28 @@ def select_subtree_reference(parents: torch.Tensor, depth: torch.Tensor, num_nod
         num_selected[b] = len(kept)
     dev = parents.device
     return pool_index.to(dev), num_selected.to(dev)
+
+
+def reindex_subtree_reference(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                              num_nodes: torch.Tensor, pool_index: torch.Tensor, num_selected: torch.Tensor):
+    """Gather the kept rows (``pool_index [B,M]`` ascending, -1 padded) into a re-indexed tree.
+
+    Returns ``(tokens [B,M] int64, parents [B,M] int32, depth [B,M] int32, num_nodes [B] int32)``; torch ops
+    only, so it runs on any device.
+    """
+    B, N = tokens.shape
+    M = pool_index.shape[1]
+    keep = pool_index >= 0
+    src = pool_index.clamp(min=0)
+    # Padding rows scatter into a spare column N that is dropped afterwards.
+    slot = torch.where(keep, src, torch.full_like(src, N))
+    new_of_old = torch.full((B, N + 1), -1, dtype=torch.int64, device=tokens.device)
+    new_of_old.scatter_(1, slot, torch.arange(M, device=tokens.device).expand(B, M).contiguous())
+    new_of_old = new_of_old[:, :N]
+    old_parent = parents.long().gather(1, src)
+    new_parent = torch.where(old_parent >= 0, new_of_old.gather(1, old_parent.clamp(min=0)), old_parent)
+    out_tokens = torch.where(keep, tokens.gather(1, src), torch.zeros_like(src))
+    out_parents = torch.where(keep, new_parent, torch.full_like(new_parent, -1)).to(torch.int32)
+    kept_depth = depth.gather(1, src)
+    out_depth = torch.where(keep, kept_depth, torch.zeros_like(kept_depth))
+    return out_tokens, out_parents, out_depth, (num_selected + 1).to(torch.int32)
