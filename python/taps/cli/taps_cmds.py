@@ -39,7 +39,8 @@ def _cmd_traces(args):
                           pool_size=args.pool_size, top_k=args.top_k, lattice_k=args.lattice_k,
                           max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                           prompts_per_shard=args.prompts_per_shard, seed=args.seed,
-                          exclude_prompts=args.exclude_prompts, threads=args.threads, max_minutes=args.max_minutes)
+                          exclude_prompts=args.exclude_prompts, threads=args.threads, max_minutes=args.max_minutes,
+                          worker=args.worker, workers=args.workers)
     print(json.dumps(summ, indent=1))
     return 0
 
@@ -329,6 +330,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--exclude-prompts", default=None, help="JSONL of prompts (with 'id') to skip, e.g. the drafter's")
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--worker", type=int, default=0, help="this process takes shards s with s %% workers == worker")
+    p.add_argument("--workers", type=positive_int, default=1)
     p.set_defaults(func=_cmd_traces)
 
     p = sub.add_parser("train-scorer", help="train the TAPS scorer (full, and tiny with --tiny-out) on traces")

@@ -158,8 +158,12 @@ def stack_records(records: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Ten
 def collect_traces(out_dir, drafter_dir, target: str = "smollm2", num_prompts: int = 128, pool_size: int = 256,
                    top_k: int = 64, lattice_k: int = 32, max_new_tokens: int = 128, max_prompt_tokens: int = 512,
                    prompts_per_shard: int = 4, seed: int = 1, exclude_prompts: Optional[str] = None,
-                   threads: Optional[int] = None, max_minutes: Optional[float] = None, progress: bool = True) -> dict:
+                   threads: Optional[int] = None, max_minutes: Optional[float] = None, progress: bool = True,
+                   worker: int = 0, workers: int = 1) -> dict:
     """Collect traces into ``out_dir`` (resumable: finished shards are skipped; ``meta.json`` must agree).
+
+    ``worker``/``workers``: this process takes shards ``s`` with ``s % workers == worker``, so several
+    processes can fill one directory side by side.
 
     Stops when every prompt is traced or ``max_minutes`` have passed (the shard in progress is finished).
     Returns :func:`trace_summary` of the directory.
@@ -190,14 +194,15 @@ def collect_traces(out_dir, drafter_dir, target: str = "smollm2", num_prompts: i
             if old.get(k) != meta[k]:
                 raise ValueError(f"{out}: holds traces with {k}={old.get(k)!r}, this run asks {meta[k]!r}; "
                                  f"use another --out")
-    meta_p.write_text(json.dumps(meta, indent=1) + "\n")
     prompts = trace_prompts(num_prompts, seed=seed, exclude_file=exclude_prompts)
-    (out / "prompts.jsonl").write_text("".join(json.dumps({"id": p["id"], "kind": p["kind"], "text": p["text"]}) + "\n"
-                                               for p in prompts), encoding="utf-8")
+    if worker == 0:
+        meta_p.write_text(json.dumps(meta, indent=1) + "\n")
+        (out / "prompts.jsonl").write_text("".join(json.dumps({"id": p["id"], "kind": p["kind"], "text": p["text"]}) + "\n"
+                                                   for p in prompts), encoding="utf-8")
     stops = set(stop_token_ids(tok, model))
     deadline = time.time() + 60 * max_minutes if max_minutes else None
     nshards = (len(prompts) + prompts_per_shard - 1) // prompts_per_shard
-    bar = tqdm(range(nshards), desc="traces", unit="shard", disable=not progress)
+    bar = tqdm(range(worker, nshards, workers), desc=f"traces[{worker}]", unit="shard", disable=not progress)
     for s in bar:
         sp = out / f"traces_{s:05d}.safetensors"
         if sp.exists():
