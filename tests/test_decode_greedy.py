@@ -243,3 +243,18 @@ def test_policy_trees():
 def test_bad_policy_specs(spec, msg):
     with pytest.raises(PolicyError, match=msg):
         make_policy(spec)
+
+
+def test_preallocated_cache_grows(models, cases, monkeypatch):
+    """Buffers far too small for the generation must grow without changing a token."""
+    from taps.decode import verifier
+
+    if verifier.PreallocatedLayer is None:
+        pytest.skip("this transformers has no per-layer cache objects")
+    init = verifier.PreallocatedLayer.__init__
+    monkeypatch.setattr(verifier.PreallocatedLayer, "__init__", lambda self, capacity: init(self, 1))
+    target, drafter = models
+    for prompt, max_new, stops, ref in cases[:4]:
+        res = generate(target, prompt, make_policy("ddtree:4"), drafter=drafter, max_new_tokens=max_new,
+                       stop_token_ids=stops)
+        assert res.token_ids == ref

@@ -133,9 +133,9 @@ def summarize(results: Dict[str, List[dict]]) -> Dict[str, dict]:
 
 
 def format_table(summary: Dict[str, dict]) -> str:
-    stages = ("draft", "pool", "scoring", "selection", "verify", "accept", "compaction", "context")
+    stages = ("prefill", "draft", "pool", "scoring", "selection", "verify", "accept", "compaction", "context")
     head = (f"{'policy':<14}{'tau':>6}{'tok/s med':>11}{'tok/s mean':>11}{'speedup':>9}{'nodes/rd':>9}"
-            f"{'same as AR':>12}  time split (draft/pool/score/select/verify/accept/compact/context, %)")
+            f"{'same as AR':>12}  time split % (prefill/draft/pool/score/select/verify/accept/compact/context)")
     lines = [head, "-" * len(head)]
     for spec, s in summary.items():
         tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
