@@ -176,6 +176,10 @@ class SpeculativeDecoder:
             tree, policy_times = self.policy.build(draft_logits, draft_hidden, bonus)
         for k, v in policy_times.items():
             sw.times[k] = sw.times.get(k, 0.0) + v
+        if int(tree.tokens[0, 0]) != self.generated[-1]:
+            # the root must be the bonus token, else the round would verify a token the target never chose
+            raise ValueError(f"policy {self.policy.name}: tree root token {int(tree.tokens[0, 0])} is not the "
+                             f"bonus token {self.generated[-1]}")
         tree = truncate_depth(tree, depth_cap)
 
         with sw("verify"):

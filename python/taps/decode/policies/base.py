@@ -9,8 +9,9 @@ editing the loop.
 
 Policies that need more than the draft (a learned scorer reading the target's
 embeddings, a measured latency table) get them in :meth:`TreePolicy.bind`,
-called once by the decoder before the first round, and may set
-``uses_drafter``/``needs_draft_hidden`` to tell the loop what to compute.
+called once by the decoder before the first round (they may raise there, e.g.
+FileNotFoundError for a missing scorer). ``uses_drafter = False`` tells the loop
+not to run (or load) a drafter at all.
 """
 from __future__ import annotations
 
@@ -42,10 +43,6 @@ class TreePolicy:
 
     def bind(self, target_model, drafter, device: torch.device) -> None:
         """Hook called once before decoding; policies with learned parts load or move them here."""
-
-    def max_depth(self, num_draft_positions: int) -> int:
-        """Deepest node the policy can produce given ``D`` draft positions (the acceptance walk's path length - 1)."""
-        return num_draft_positions if self.uses_drafter else 0
 
     def build(self, draft_logits: Optional[torch.Tensor], draft_hidden: Optional[torch.Tensor],
               bonus: torch.Tensor) -> Tuple[Tree, Dict[str, float]]:
