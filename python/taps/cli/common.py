@@ -36,7 +36,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"DFlash drafter dir (default {DEFAULT_DRAFTER})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch CPU threads (default 1: batch-1 decoding of a small model gains little from more, "
+                        "and on a shared CPU torch's one-thread-per-core default ran 5x slower here)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
