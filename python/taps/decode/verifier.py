@@ -40,6 +40,7 @@ if _DynamicLayer is not None:
             self.capacity = max(int(capacity), 1)
             self._k = self._v = None
             self._n = 0
+            self.is_initialized = False  # older transformers releases do not set it
 
         def lazy_initialization(self, key_states, value_states, *args, **kwargs):
             B, H, _, Dh = key_states.shape
@@ -70,15 +71,13 @@ if _DynamicLayer is not None:
             self.keys = self._k[:, :, :n]
             self.values = self._v[:, :, :n]
 
-        def get_seq_length(self) -> int:
+        def get_seq_length(self, *args, **kwargs) -> int:
             return self._n
 
-        def crop(self, tokens_to_remove: int) -> None:
-            # transformers 5 semantics: a negative count of rows to drop
-            if tokens_to_remove > 0:
-                raise ValueError(f"tokens_to_remove: expected a count <= 0, received {tokens_to_remove}")
+        def crop(self, length: int) -> None:
+            # negative: rows to drop (transformers 5); otherwise the length to keep (transformers 4)
             if self.is_initialized:
-                self.set_length(self._n + tokens_to_remove)
+                self.set_length(max(self._n + length, 0) if length < 0 else min(length, self._n))
 else:
     PreallocatedLayer = None
 
