@@ -173,6 +173,10 @@ def run(args) -> int:
     def emit(rec):
         sink.write(json.dumps({k: v for k, v in rec.items() if k != "accept_lens"}) + "\n")
         sink.flush()
+        if sink is not sys.stdout:  # records go to a file: show progress instead
+            tau = f"tau {rec['tau']:.2f}" if "tau" in rec else ""
+            print(f"  {rec['id']:<16} {rec['policy']:<12} {rec['new_tokens']:>4} tokens {rec['tokens_per_s']:7.2f} tok/s "
+                  f"{tau}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     try:
