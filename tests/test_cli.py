@@ -135,3 +135,18 @@ def test_bad_models(assets, capsys, target, drafter, policy, msg):
                            *common(assets, drafter=drafter, target=target))
     assert rc == 2 and msg in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_stop_tokens_include_template_end(assets):
+    from transformers import AutoTokenizer
+
+    from taps.cli.common import encode_prompt, stop_token_ids
+
+    tok = AutoTokenizer.from_pretrained(assets / "target")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert stop_token_ids(tok) == [end]
+    ids = encode_prompt(tok, "w1 w2", history=[{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}])
+    toks = tok.convert_ids_to_tokens(ids)
+    assert toks == ["<|im_start|>", "user", "w3", "<|im_end|>", "<|im_start|>", "assistant", "w4", "<|im_end|>",
+                    "<|im_start|>", "user", "w1", "w2", "<|im_end|>", "<|im_start|>", "assistant"]
+    assert encode_prompt(tok, "w1 w2", raw=True) == tok("w1 w2", add_special_tokens=False)["input_ids"]
