@@ -189,3 +189,19 @@ def test_missing_drafter_files(tmp_path):
         load_drafter(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_drafter(tmp_path)
+
+
+def test_feature_scale_folds_into_fc(tmp_path):
+    m, emb, head = make()
+    feats = torch.randn(1, 9, m.config.num_context_features)
+    scale = torch.rand(m.config.num_context_features) + 0.5
+    m.set_feature_scale(scale)
+    st = m.new_state(1)
+    m.append_context(st, feats)
+    ref = m.draft(st, torch.tensor([3]), emb, head)[0]
+    m.save_pretrained(tmp_path, dtype=torch.float32)
+    m2 = load_drafter(tmp_path)
+    assert m2.feature_scale is None
+    st2 = m2.new_state(1)
+    m2.append_context(st2, feats)
+    torch.testing.assert_close(m2.draft(st2, torch.tensor([3]), emb, head)[0], ref, atol=1e-4, rtol=1e-4)

@@ -323,6 +323,25 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # optional fixed per-channel scale of the context features (a training aid:
+        # the target's features span very different scales). Not a weight of the
+        # published format: save_pretrained folds it into fc.weight.
+        self.register_buffer("feature_scale", None, persistent=False)
+
+    def set_feature_scale(self, scale: Optional[torch.Tensor]) -> None:
+        """Multiply context features channel-wise by ``scale [n*H]`` before ``fc``."""
+        if scale is not None:
+            if scale.shape != (self.config.num_context_features,):
+                raise ValueError(f"feature scale must have shape ({self.config.num_context_features},)")
+            scale = scale.to(device=self.fc.weight.device, dtype=torch.float32)
+        self.feature_scale = scale
+
+    def folded_state_dict(self) -> dict:
+        """State dict in the published format (feature scale folded into ``fc.weight``)."""
+        sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        if self.feature_scale is not None:
+            sd["fc.weight"] = (sd["fc.weight"].float() * self.feature_scale[None, :]).to(sd["fc.weight"].dtype)
+        return sd
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -347,7 +366,10 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"context features have {ctx_features.shape[-1]} channels, drafter expects "
                              f"{self.config.num_context_features} = {len(self.config.target_layer_ids)} layers x "
                              f"{self.config.hidden_size}")
-        return self.hidden_norm(self.fc(ctx_features.to(self._dtype())))
+        x = ctx_features
+        if self.feature_scale is not None:
+            x = x.float() * self.feature_scale
+        return self.hidden_norm(self.fc(x.to(self._dtype())))
 
     def _context_kv(self, ctx_h, positions):
         cos, sin = self._rope(positions, ctx_h.dtype)
@@ -457,8 +479,8 @@ class DFlashDrafter(nn.Module):
         p = Path(path)
         p.mkdir(parents=True, exist_ok=True)
         self.config.save(p)
-        sd = {k: (v.detach().to(dtype) if dtype is not None else v.detach()).contiguous().cpu()
-              for k, v in self.state_dict().items()}
+        sd = {k: (v.to(dtype) if dtype is not None else v).contiguous().cpu()
+              for k, v in self.folded_state_dict().items()}
         save_file(sd, str(p / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -165,6 +165,25 @@ def block_loss(drafter, lm_head, embed_tokens, feats, block_ids, anchors, labels
     return loss, {"ce": float(ce.detach().mean()), "pos_acc": pos_acc, "tau": tau, "rows": int(valid.sum())}
 
 
+def feature_scale_from_data(ds: "ShardData", max_tokens: int = 200_000) -> torch.Tensor:
+    """1 / RMS of every context-feature channel over the loaded shards (first
+    token of each sequence, the attention-sink row, excluded)."""
+    acc = None
+    n = 0
+    for s, b in sorted(ds.shards.items()):
+        f = b["feats"].float()
+        keep = torch.ones(len(f), dtype=torch.bool)
+        keep[b["offsets"][:-1]] = False
+        keep[b["offsets"][1:] - 1] = False
+        f = f[keep]
+        acc = f.pow(2).sum(0) if acc is None else acc + f.pow(2).sum(0)
+        n += len(f)
+        if n >= max_tokens:
+            break
+    rms = (acc / max(n, 1)).sqrt()
+    return 1.0 / rms.clamp(min=1e-2)
+
+
 def _init_weights(model: DFlashDrafter, std: float = 0.02):
     for n, p in model.named_parameters():
         if n.endswith("norm.weight"):
@@ -185,7 +204,7 @@ def _lr_at(step, total, warmup, base, min_ratio=0.1, time_frac=0.0):
 
 def _save(out: Path, drafter, opt, step, rng, extra):
     tmp = out / "ckpt.pt.tmp"
-    torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step,
+    torch.save({"model": drafter.state_dict(), "feat_scale": drafter.feature_scale, "opt": opt.state_dict(), "step": step,
                 "py_rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "extra": extra,
                 "config": drafter.config.to_dict()}, tmp)
     os.replace(tmp, out / "ckpt.pt")
@@ -198,7 +217,7 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
                   weight_decay: float = 0.01, save_every: int = 200, holdout_shards: str = "0", bf16: bool = False,
                   seed: int = 0, threads: Optional[int] = None, max_minutes: Optional[float] = None,
                   mask_token_id: Optional[int] = None, rescan_every: int = 100, log_every: int = 10,
-                  train_vocab: str = "seen", extra_negatives: int = 4096, **_):
+                  train_vocab: str = "seen", extra_negatives: int = 4096, normalize_features: bool = True, **_):
     from tqdm import tqdm
 
     from taps.models.target import load_target
@@ -242,6 +261,7 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     step = 0
     ck = outp / "ckpt.pt"
+    feat_scale = None
     extra = {"train_seconds": 0.0, "blocks_seen": 0, "rows_seen": 0}
     if ck.exists():
         st = torch.load(str(ck), weights_only=False)
@@ -251,6 +271,8 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
         rng.setstate(st["py_rng"])
         torch.set_rng_state(st["torch_rng"])
         extra.update(st.get("extra", {}))
+        feat_scale = st.get("feat_scale")
+        drafter.set_feature_scale(feat_scale)
         print(f"resumed from {ck} at step {step}", flush=True)
     weights = position_weights(block_size, gamma)
     nparams = sum(p.numel() for p in drafter.parameters())
@@ -280,6 +302,9 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
         if len(ds) == 0:
             time.sleep(10)
             continue
+        if normalize_features and drafter.feature_scale is None:
+            drafter.set_feature_scale(feature_scale_from_data(ds))
+            print("feature scale set from data (folded into fc.weight on save)", flush=True)
         tf = 0.0
         if max_minutes:
             tf = (extra["train_seconds"] + time.time() - seg_t) / (max_minutes * 60)
