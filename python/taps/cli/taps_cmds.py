@@ -194,16 +194,9 @@ def _hist(values):
     return dict(sorted(h.items(), key=lambda kv: int(kv[0])))
 
 
-def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log):
-    from .bench import build_decoders, run_suite, summarize
+def _summarize(results):
+    from .bench import summarize
 
-    decoders = build_decoders(model, tok, drafter, specs, sampling)
-
-    def show(rec):
-        log(f"  {rec['id']:<22} {rec['policy']:<14} {rec['new_tokens']:>4} tok  tau {rec['tau']:.2f}  "
-            f"{rec['tokens_per_s']:6.2f} tok/s  {'=AR' if rec['identical_to_ar'] else 'DIFFERS'}")
-
-    results = run_suite(model, tok, decoders, items, max_new_tokens, seed=seed, warmup=warmup, on_record=show)
     summary = summarize(results)
     for spec, recs in results.items():
         s = summary[spec]
@@ -215,6 +208,26 @@ def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed
         s["per_prompt"] = [{"id": r["id"], "new_tokens": r["new_tokens"], "seconds": r["seconds"], "tau": r["tau"],
                             "identical_to_ar": r["identical_to_ar"]} for r in recs]
     return summary
+
+
+def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log, on_partial=None):
+    """Run ``items`` x ``specs``; after every prompt (all policies) ``on_partial(summary, prompts_done)`` is
+    called, so a run cut short still leaves a valid JSON of the prompts completed."""
+    from .bench import build_decoders, run_suite
+
+    decoders = build_decoders(model, tok, drafter, specs, sampling)
+    partial = {s: [] for s in specs}
+
+    def show(rec):
+        log(f"  {rec['id']:<22} {rec['policy']:<14} {rec['new_tokens']:>4} tok  tau {rec['tau']:.2f}  "
+            f"{rec['tokens_per_s']:6.2f} tok/s  "
+            f"{ {True: '=AR', False: 'DIFFERS', None: '(sampled)'}[rec['identical_to_ar']] }")
+        partial[rec["policy"]].append(rec)
+        if on_partial is not None and rec["policy"] == specs[-1]:
+            on_partial(_summarize(partial), len(partial[specs[-1]]))
+
+    results = run_suite(model, tok, decoders, items, max_new_tokens, seed=seed, warmup=warmup, on_record=show)
+    return _summarize(results)
 
 
 def _best_ddtree(summary):
@@ -268,23 +281,36 @@ def _cmd_bench_suite(args):
     t_start = time.time()
     for ds, items in datasets.items():
         log(f"== {ds}: {len(items)} prompts, greedy, {len(specs)} policies")
+        run = {"dataset": ds, "temperature": 0.0, "prompts": 0, "policies": {}, "best_ddtree": None, "partial": True}
+        out["runs"].append(run)
+
+        def partial(summ, done, run=run):
+            run.update(prompts=done, policies=summ, best_ddtree=_best_ddtree(summ))
+            _save(out, args.out)
+
         summ = _run_block(model, tok, drafter, specs, items, SamplingConfig(), args.max_new_tokens, args.seed,
-                          args.warmup, log)
-        out["runs"].append({"dataset": ds, "temperature": 0.0, "prompts": len(items), "policies": summ,
-                            "best_ddtree": _best_ddtree(summ)})
+                          args.warmup, log, on_partial=partial)
+        run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
         _save(out, args.out)
     if args.t1_policies:
         t1 = [s.strip() for s in args.t1_policies.split(",") if s.strip()]
-        for i, run in enumerate(list(out["runs"])):
+        for run in [r for r in out["runs"] if r["temperature"] == 0.0 and r["policies"]]:
             best = run["best_ddtree"]
             chosen = [best if s == "ddtree-best" else s for s in t1]
             specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
             items = datasets[run["dataset"]][: args.t1_limit]
             log(f"== {run['dataset']}: {len(items)} prompts, temperature 1, policies {specs1}")
+            run1 = {"dataset": run["dataset"], "temperature": 1.0, "prompts": 0, "policies": {}, "best_ddtree": None,
+                    "partial": True}
+            out["runs"].append(run1)
+
+            def partial1(summ, done, run1=run1):
+                run1.update(prompts=done, policies=summ, best_ddtree=_best_ddtree(summ))
+                _save(out, args.out)
+
             summ = _run_block(model, tok, drafter, specs1, items, SamplingConfig(temperature=1.0), args.max_new_tokens,
-                              args.seed, 0, log)
-            out["runs"].append({"dataset": run["dataset"], "temperature": 1.0, "prompts": len(items), "policies": summ,
-                                "best_ddtree": _best_ddtree(summ)})
+                              args.seed, 0, log, on_partial=partial1)
+            run1.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
             _save(out, args.out)
     out["config"]["wall_s"] = round(time.time() - t_start, 1)
     _save(out, args.out)

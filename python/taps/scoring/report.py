@@ -204,7 +204,8 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
          "token, same harness, prompts interleaved across policies. tau counts the bonus token.", ""]
     checks_all = []
     for run in data["runs"]:
-        L += [f"## {run['dataset']}, temperature {run['temperature']:g}, {run['prompts']} prompts", ""]
+        part = " (PARTIAL: run cut short, prompts completed so far)" if run.get("partial") else ""
+        L += [f"## {run['dataset']}, temperature {run['temperature']:g}, {run['prompts']} prompts{part}", ""]
         L += policy_table(run, proj)
         L.append("")
         if run["temperature"] == 0.0:
