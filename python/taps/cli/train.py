@@ -90,6 +90,7 @@ def add_subcommands(subparsers):
                    help="softmax over tokens seen in the data (+ random negatives) or the full vocab")
     p.add_argument("--extra-negatives", type=int, default=4096)
     p.add_argument("--rescan-every", type=int, default=100)
+    p.add_argument("--norm-lr-mult", type=float, default=10.0, help="learning-rate multiplier of RMSNorm gains")
     p.add_argument("--no-normalize-features", dest="normalize_features", action="store_false",
                    help="do not rescale context-feature channels by 1/RMS (the scale is folded into fc on save)")
     p.set_defaults(func=_cmd_train)

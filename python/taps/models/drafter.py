@@ -237,6 +237,18 @@ def apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
+def _attention(q, k, v, mask=None):
+    """softmax(q k^T / sqrt(d) [masked]) v with fp32 softmax. Plain matmuls: for the
+    small query/key counts here this is several times faster on CPU than SDPA with
+    a boolean mask. mask: bool, True = attend (broadcast to [B,H,Lq,Lk])."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -270,7 +282,7 @@ class DFlashAttention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        o = _attention(q, k, v, mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
 
 

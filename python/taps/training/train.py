@@ -217,7 +217,8 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
                   weight_decay: float = 0.01, save_every: int = 200, holdout_shards: str = "0", bf16: bool = False,
                   seed: int = 0, threads: Optional[int] = None, max_minutes: Optional[float] = None,
                   mask_token_id: Optional[int] = None, rescan_every: int = 100, log_every: int = 10,
-                  train_vocab: str = "seen", extra_negatives: int = 4096, normalize_features: bool = True, **_):
+                  train_vocab: str = "seen", extra_negatives: int = 4096, normalize_features: bool = True,
+                  norm_lr_mult: float = 10.0, **_):
     from tqdm import tqdm
 
     from taps.models.target import load_target
@@ -255,9 +256,13 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
         with torch.no_grad():  # start the output norm where the target's final norm is (same LM head)
             drafter.norm.weight.copy_(tnorm.weight.float())
     drafter.train()
+    # RMSNorm gains get a larger learning rate: q_norm/k_norm gains set the attention
+    # temperature (q and k are unit-RMS), and at lr ~1e-3 they take ~1000 steps to
+    # move from 1 to 2, which keeps attention over the context nearly uniform.
     decay = [p for n, p in drafter.named_parameters() if not n.endswith("norm.weight")]
     nodecay = [p for n, p in drafter.named_parameters() if n.endswith("norm.weight")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": nodecay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay, "lr_mult": 1.0},
+                             {"params": nodecay, "weight_decay": 0.0, "lr_mult": norm_lr_mult}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     step = 0
     ck = outp / "ckpt.pt"
@@ -280,7 +285,7 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
         "data": data, "target": target, "num_layers": num_layers, "intermediate_size": intermediate_size,
         "block_size": block_size, "gamma": gamma, "anchors_per_seq": anchors_per_seq, "batch_size": batch_size,
         "max_seq_len": max_seq_len, "steps": steps, "lr": lr, "warmup": warmup, "weight_decay": weight_decay,
-        "bf16": bf16, "seed": seed, "train_vocab": train_vocab, "extra_negatives": extra_negatives, "holdout_shards": holdout, "mask_token_id": mask_id, "params": nparams,
+        "bf16": bf16, "seed": seed, "train_vocab": train_vocab, "norm_lr_mult": norm_lr_mult, "normalize_features": normalize_features, "extra_negatives": extra_negatives, "holdout_shards": holdout, "mask_token_id": mask_id, "params": nparams,
         "drafter_config": cfg.to_dict()}, indent=1))
     log = open(outp / "train_log.jsonl", "a")
     print(f"drafter params {nparams/1e6:.2f}M, train seqs {len(ds)}, tokens {ds.token_counts()}", flush=True)
@@ -310,7 +315,7 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
             tf = (extra["train_seconds"] + time.time() - seg_t) / (max_minutes * 60)
         cur_lr = _lr_at(step, steps, warmup, lr, time_frac=tf)
         for g in opt.param_groups:
-            g["lr"] = cur_lr
+            g["lr"] = cur_lr * g.get("lr_mult", 1.0)
         samples = [ds.get(rng.randrange(len(ds)), max_seq_len) for _ in range(batch_size)]
         batch = make_batch(samples, block_size, anchors_per_seq, mask_id, rng)
         subset = None
