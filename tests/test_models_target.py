@@ -81,3 +81,25 @@ def test_smollm2_loads_and_drafter_api_runs():
     d.append_context(st, feats)
     logits, hid = d.draft(st, out.logits[:, -1].argmax(-1), model.get_input_embeddings(), model.get_output_embeddings())
     assert logits.shape == (1, 15, 49152) and hid.shape == (1, 15, 576)
+
+
+@pytest.mark.slow
+def test_build_data_features_match_full_forward():
+    """Features captured during batched generation (left padding) equal
+    extract_context_features of a plain forward over prompt+response."""
+    from taps.models.drafter import extract_context_features
+    from taps.training.data import _FeatureCapture, generate_batch
+    model, tok = tgt.load_target("smollm2")
+    ids = [tgt.apply_chat_template(tok, "Write a function that adds two numbers."),
+           tgt.apply_chat_template(tok, "Explain what a Python dictionary is, briefly please.")]
+    layer_ids = [1, 8, 14, 20, 27]
+    cap = _FeatureCapture(model, layer_ids)
+    res = generate_batch(model, tok, ids, 12, cap)
+    cap.remove()
+    for seq, pl, f in res:
+        with torch.no_grad():
+            out = model(torch.tensor([seq]), output_hidden_states=True)
+        ref = extract_context_features(out.hidden_states, layer_ids)[0]
+        assert pl == len(seq) - (len(seq) - pl)
+        torch.testing.assert_close(f[:-1], ref[:-1], atol=2e-2, rtol=1e-3)
+        assert f[-1].abs().max() == 0
