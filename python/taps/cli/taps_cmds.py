@@ -224,10 +224,22 @@ def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed
             f"{rec['tokens_per_s']:6.2f} tok/s  "
             f"{ {True: '=AR', False: 'DIFFERS', None: '(sampled)'}[rec['identical_to_ar']] }")
         partial[rec["policy"]].append(rec)
-        if on_partial is not None and rec["policy"] == specs[-1]:
-            on_partial(_summarize(partial), len(partial[specs[-1]]))
+        done = min(len(v) for v in partial.values())
+        if on_partial is not None and all(len(v) == done for v in partial.values()):
+            on_partial(_summarize(partial), done)
 
-    results = run_suite(model, tok, decoders, items, max_new_tokens, seed=seed, warmup=warmup, on_record=show)
+    # AR first (the lossless check compares against it), then the other policies in an order rotated by one
+    # per prompt: on a shared machine the load drifts within a prompt, and a fixed order would always hand
+    # the same policies the slow minutes.
+    others = [s for s in specs if s != "ar"]
+    results = {s: [] for s in specs}
+    for i, item in enumerate(items):
+        k = i % max(len(others), 1)
+        order = (["ar"] if "ar" in decoders else []) + others[k:] + others[:k]
+        res = run_suite(model, tok, {s: decoders[s] for s in order}, [item], max_new_tokens, seed=seed,
+                        warmup=warmup if i == 0 else 0, on_record=show)
+        for s, recs in res.items():
+            results[s] += recs
     return _summarize(results)
 
 

@@ -42,6 +42,7 @@ def policy_table(run: dict, projection: Optional[dict] = None) -> List[str]:
     pol = run["policies"]
     best = run.get("best_ddtree")
     head = ("| policy | tau | nodes/round | tok/s (median) | speedup vs AR | selection overhead ms/round | "
+            "draft ms/round (load probe) | "
             "time split % (prefill/draft/pool/score/select/verify/accept/compact/context) | identical to AR |")
     if projection:
         head += " PROJECTED tok/s (GPU latency table) |"
@@ -54,7 +55,8 @@ def policy_table(run: dict, projection: Optional[dict] = None) -> List[str]:
         same = f"{s.get('identical_to_ar')}/{s.get('prompts')}" if run["temperature"] == 0 else "n/a (sampled)"
         row = (f"| {name} | {_fmt(s.get('tau'))} | {_fmt(s.get('nodes_per_round'), '.1f')} | "
                f"{_fmt(s.get('tokens_per_s_median'))} | {_fmt(s.get('speedup'), '.2f')}x | "
-               f"{_fmt(s.get('selection_overhead_ms_per_round'), '.2f')} | {split} | "
+               f"{_fmt(s.get('selection_overhead_ms_per_round'), '.2f')} | "
+               f"{_fmt((s.get('stage_ms_per_round') or {}).get('draft'), '.0f')} | {split} | "
                f"{same} |")
         if projection:
             row += f" {_fmt(projected_tps(s, projection), '.1f')} |"
