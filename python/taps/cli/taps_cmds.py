@@ -158,6 +158,19 @@ def _cmd_eval(args):
     emb = target_embeddings(cfg.get("meta", {}).get("target") or args.target) if w.full else None
     ev = evaluate_scorer(data, w, emb, bins=args.bins)
     print(format_eval(ev))
+    if args.latency:
+        from taps.scoring.evaluate import replay_throughput
+        from taps.scoring.latency import load_table
+
+        table = load_table(args.latency)
+        over = json.loads(args.overhead_ms) if args.overhead_ms else {}
+        over = {k: v / 1000 for k, v in over.items()}
+        ev["replay"] = {"latency_table": args.latency, "table_machine": table.get("machine"), "t0": table.get("t0"),
+                        "overhead_s": over, "rounds": int(data["tokens"].shape[0]),
+                        "policies": replay_throughput(data, w, emb, table, over)}
+        for k, v in ev["replay"]["policies"].items():
+            print(f"replay {k:<14} tau {v['tau']:.3f}  nodes {v['nodes_per_round']:.1f}  tok/s {v['tokens_per_s']:.2f}  "
+                  f"speedup {v['speedup']:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(ev, indent=1) + "\n")
     return 0
@@ -343,7 +356,7 @@ def _cmd_report(args):
     from taps.scoring.report import write_report
 
     paths = write_report(args.bench, args.out_md, plot_prefix=args.plots, scorer_metrics=args.scorer_metrics,
-                         projection=args.projection_latency, notes=args.notes)
+                         projection=args.projection_latency, notes=args.notes, replay=args.replay)
     for p in paths:
         print(f"wrote {p}")
     return 0
@@ -397,6 +410,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--out", default=None, help="write the metrics JSON here")
     p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--latency", default=None, help="latency table JSON: also replay every policy's trees on the "
+                   "traces and time them with the table (no wall-clock noise)")
+    p.add_argument("--overhead-ms", default=None, help='per-policy selection overhead for the replay, JSON, e.g. '
+                   '\'{"taps": 19.7, "ddtree": 11.1, "dflash": 2}\'')
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("calibrate", help="measure verify latency for n = 0..N nodes and t0; cache per machine+model")
@@ -431,4 +448,5 @@ def add_subcommands(sub) -> None:
     p.add_argument("--projection-latency", default=None,
                    help="latency table JSON measured on a GPU: adds a projected tokens/s column, labelled so")
     p.add_argument("--notes", default=None, help="markdown file appended (analysis)")
+    p.add_argument("--replay", default=None, help="eval-scorer JSON with a 'replay' section (trace replay table)")
     p.set_defaults(func=_cmd_report)

@@ -168,3 +168,92 @@ def format_eval(res: Dict[str, object]) -> str:
         lo, hi = res[names[0]]["reliability"][b]["lo"], res[names[0]]["reliability"][b]["hi"]
         lines.append(f"  [{lo:.1f},{hi:.1f})  " + "   ".join(parts))
     return "\n".join(lines)
+
+
+def _chain_nodes(tree, rank) -> torch.Tensor:
+    """``[B,N] bool``: pool nodes on the rank-0 (argmax) chain from the root, i.e. DFlash's proposal."""
+    B, N = rank.shape
+    on = torch.zeros(B, N, dtype=torch.bool)
+    on[:, 0] = True
+    par = tree.parents.long()
+    for d in range(1, int(tree.depth.max()) + 1):
+        at = (tree.depth == d) & (par >= 0)
+        on = torch.where(at, on.gather(1, par.clamp(min=0)) & (rank == 0), on)
+    return on
+
+
+@torch.no_grad()
+def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerWeights],
+                      token_embeddings: Optional[torch.Tensor], table: dict, overhead_s: Dict[str, float],
+                      budgets=(4, 8, 16, 32, 64, 128), cap: int = 64, min_utility: float = 0.01,
+                      fixed_budgets=(16,), batch: int = 64) -> Dict[str, dict]:
+    """Trace replay: each policy's tree on held-out rounds, scored with the real acceptance, timed with a
+    measured latency table instead of a wall clock (no machine noise).
+
+    A round of policy ``P`` commits ``1 + #accepted selected nodes`` tokens (exact for greedy decoding: the
+    accepted nodes of the pool form one root path and every selection is prefix-closed) and costs
+    ``t0 + overhead_s[P] + latency[n]`` (``n`` selected non-root nodes; AR: ``latency[0]``, no draft).
+    DFlash verifies its 15-node argmax chain; nodes of the chain missing from the pool count as rejected,
+    so its tau here is a lower bound. Returns ``{policy: {"tau", "nodes", "tokens_per_s", "speedup"}}``.
+    """
+    import taps_kernels as tk
+
+    lat = torch.tensor(table["latency"], dtype=torch.float64)
+    t0 = float(table.get("t0", 0.0))
+    L = lat.numel()
+
+    def cost(n, key):
+        return t0 + overhead_s.get(key, 0.0) + lat[n.clamp(max=L - 1)]
+
+    R, N = traces["tokens"].shape
+    D = traces["entropy"].shape[1]
+    acc_all = accepted_mask(traces)
+    agg = {}
+
+    def add(name, tau, n, secs):
+        a = agg.setdefault(name, [0.0, 0.0, 0.0, 0])
+        a[0] += float(tau.sum())
+        a[1] += float(n.sum())
+        a[2] += float(secs.sum())
+        a[3] += int(tau.numel())
+
+    lat_t = lat[:cap + 1].clone()
+    for i in range(0, R, batch):
+        rows = torch.arange(i, min(R, i + batch))
+        pool = pool_from_traces(traces, rows)
+        acc = acc_all[rows]
+        B = len(rows)
+        add("ar", torch.ones(B), torch.ones(B), lat[0].expand(B))
+        chain = _chain_nodes(pool.tree, pool.rank) & (pool.tree.parents >= 0)
+        n_chain = torch.full((B,), D, dtype=torch.long)
+        add("dflash", 1 + (acc & chain).sum(1).float(), n_chain + 1, cost(n_chain, "dflash"))
+        reaches = {"marginal": pool.logq}
+        if weights is not None:
+            hid = traces["hidden"][rows].float() if weights.full else None
+            reaches["scorer"] = tk.score_edges(pool, weights, token_embeddings if weights.full else None, hid)[2]
+
+        def run(name, lr, key, **kw):
+            sel = tk.select_subtree(pool.tree, lr, **kw)
+            pi = sel.pool_index
+            keep = pi > 0
+            tau = 1 + (acc.gather(1, pi.clamp(min=0)) & keep).sum(1).float()
+            n = sel.num_selected.long()
+            add(name, tau, n + 1, cost(n, key))
+
+        for b in budgets:
+            run(f"ddtree:{b}", reaches["marginal"], "ddtree", max_nodes=min(b, N - 1))
+        run("ddtree-cost", reaches["marginal"], "ddtree", max_nodes=cap, latency=lat_t,
+            t0=t0 + overhead_s.get("ddtree", 0.0))
+        if "scorer" in reaches:
+            r = reaches["scorer"]
+            run("taps", r, "taps", max_nodes=cap, latency=lat_t, t0=t0 + overhead_s.get("taps", 0.0))
+            run("taps-paper", r, "taps", max_nodes=cap, rule="utility", min_utility=min_utility)
+            for b in fixed_budgets:
+                run(f"taps-fixed:{b}", r, "taps", max_nodes=b)
+    out = {}
+    ar_tps = agg["ar"][0] / agg["ar"][2]
+    for k, (tau, nodes, secs, rounds) in agg.items():
+        tps = tau / secs
+        out[k] = {"tau": tau / rounds, "nodes_per_round": nodes / rounds, "tokens_per_s": tps,
+                  "speedup": tps / ar_tps, "rounds": rounds}
+    return out

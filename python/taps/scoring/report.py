@@ -191,7 +191,7 @@ def merge_bench(paths) -> dict:
 
 def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results/taps_cpu",
                  scorer_metrics: Optional[str] = None, projection: Optional[str] = None,
-                 notes: Optional[str] = None) -> List[Path]:
+                 notes: Optional[str] = None, replay: Optional[str] = None) -> List[Path]:
     """Write the markdown report (and plots); returns the written paths."""
     data = merge_bench(bench_json if isinstance(bench_json, (list, tuple)) else [bench_json])
     cfg = data["config"]
@@ -230,6 +230,19 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
         L.append(f"| held-out traces | scorer ECE < marginal-product ECE | {s['ece']:.4f} vs {mg['ece']:.4f} | lower | "
                  f"{'yes' if met else 'NO'} |")
     L.append("")
+    if replay:
+        rp = json.loads(Path(replay).read_text())
+        rp = rp.get("replay", rp)
+        pols = rp["policies"]
+        L += ["## Trace replay (held-out traces x measured latency table; no wall-clock noise)", "",
+              f"Each policy's tree on {rp.get('rounds')} held-out trace rounds, tau from the real (greedy) acceptance, "
+              f"time = t0 ({1000 * float(rp.get('t0') or 0):.0f} ms) + selection overhead + latency[n] from the table "
+              f"measured on `{rp.get('table_machine')}`. Same machine and pair as above, but every policy sees the same "
+              "rounds and the same costs, so the comparison between policies is not disturbed by load drift.", "",
+              "| policy | tau | nodes/round | tok/s | speedup vs AR |", "|---|---|---|---|---|"]
+        for k, v in pols.items():
+            L.append(f"| {k} | {v['tau']:.3f} | {v['nodes_per_round']:.1f} | {v['tokens_per_s']:.2f} | {v['speedup']:.3f}x |")
+        L.append("")
     if proj:
         L += ["## Projection (NOT a measurement)", "",
               f"The PROJECTED column combines the tau and nodes/round measured above with a verify-latency table "
