@@ -147,3 +147,20 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
     assert len(files) == 1 and len(t1["latency"]) == 7
     t2 = get_table(target, None, n_max=6)
     assert t2["latency"] == t1["latency"]  # from the cache, not re-measured
+
+
+def test_replay_full_pool_tau_and_costs(traces, models):
+    from taps.scoring.evaluate import replay_throughput
+
+    _, tr = traces
+    emb = models[0].get_input_embeddings().weight.detach()
+    w = train_scorer(tr, None, emb, epochs=1, batch=8, top_k=6, progress=False)[0].to_weights()
+    table = {"latency": [0.1 + 0.01 * n for n in range(21)], "t0": 0.05}
+    res = replay_throughput(tr, w, emb, table, {"taps": 0.01}, budgets=(20,), cap=8, fixed_budgets=(3,))
+    assert res["ar"]["tau"] == 1.0 and res["ar"]["speedup"] == pytest.approx(1.0)
+    assert res["ddtree:20"]["tau"] == pytest.approx(float(tr["accept_len"].float().mean()))
+    assert res["ddtree:20"]["nodes_per_round"] == 21
+    assert res["taps-fixed:3"]["nodes_per_round"] == 4
+    # cost per round of a fixed tree: t0 + overhead + latency[n]
+    assert res["taps-fixed:3"]["tau"] / res["taps-fixed:3"]["tokens_per_s"] == pytest.approx(0.05 + 0.01 + 0.13)
+    assert res["taps"]["nodes_per_round"] <= 9
