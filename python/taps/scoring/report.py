@@ -139,10 +139,9 @@ def _plots(runs: List[dict], prefix: str) -> List[Path]:
             ax = axes[i][j]
             if dd:
                 ax.plot([b for b, _ in dd], [v[key] for _, v in dd], "o-", label="DDTree(budget)")
-            for spec, v in pol.items():
-                if spec.startswith("ddtree:") or spec == "ar" or v.get(key) is None:
-                    continue
-                ax.axhline(v[key], linestyle="--", linewidth=1, label=spec, color=None)
+            others = [s for s, v in pol.items() if not s.startswith("ddtree:") and s != "ar" and v.get(key) is not None]
+            for c, spec in enumerate(others):
+                ax.axhline(pol[spec][key], linestyle="--", linewidth=1.2, label=spec, color=f"C{c + 1}")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("node budget")
             ax.set_ylabel(key)
@@ -185,6 +184,8 @@ def merge_bench(paths) -> dict:
     if len(datas) > 1:
         cfg["command"] = "\n".join(d["config"].get("command", "") for d in datas)
         cfg["wall_s"] = " + ".join(str(d["config"].get("wall_s")) for d in datas)
+        cfg["note"] = "; ".join(f"{d['config'].get('command', '').split('--datasets ')[-1].split()[0]}: "
+                                f"{d['config'].get('note', '')}" for d in datas)
     runs = [r for d in datas for r in d["runs"]]
     return {"config": cfg, "runs": runs}
 
