@@ -164,6 +164,8 @@ def _plots(runs: List[dict], prefix: str) -> List[Path]:
             tot = sum(h.values()) or 1
             xs = [int(k) for k in h]
             ax.bar([x + i * width for x in xs], [h[k] / tot for k in h], width=width, label=spec)
+        top = max([int(k) for s in show for k in pol[s].get("accept_len_hist", {})] or [1])
+        ax.set_xticks([x + width * (len(show) - 1) / 2 for x in range(1, top + 1)], [str(x) for x in range(1, top + 1)])
         ax.set_xlabel("acceptance length per round (tau, bonus included)")
         ax.set_ylabel("fraction of rounds")
         ax.set_title(f"{run['dataset']} (T=0)")
