@@ -106,6 +106,14 @@ class TapsPolicy(TreePolicy):
             self.top_k = self.top_k or int(cfg.get("model", {}).get("top_k", 64))
             self.weights = w
         self.weights = self.weights.to(device=device, dtype=torch.float32)
+        # A scorer is trained for one target/drafter pair: refuse one whose widths cannot fit before any round runs.
+        embed_dim = target_model.get_input_embeddings().weight.shape[1]
+        hidden_dim = getattr(getattr(drafter, "config", None), "hidden_size", None)
+        try:
+            self.weights.validate(embed_dim=embed_dim if self.weights.full else None,
+                                  hidden_dim=hidden_dim if self.weights.full else None)
+        except ValueError as e:
+            raise PolicyError(f"policy {self.name}: the scorer does not fit this target/drafter ({e})") from None
         if self.weights.full:
             self.emb = target_model.get_input_embeddings().weight.detach()
             if self.emb.dtype != torch.float32:
