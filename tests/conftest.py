@@ -7,7 +7,17 @@ On a CUDA machine the kernels compile for the GPU instead and the variable is le
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The tests use tiny matmuls: extra threads only add contention on shared 2-core machines.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

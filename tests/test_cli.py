@@ -17,14 +17,6 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] 
             "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def save_tiny_target(path, ctx=1024, seed=0):
     vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

@@ -9,14 +9,6 @@ from taps.decode import SpeculativeDecoder, make_policy
 from test_decode_greedy import hf_greedy, tiny_drafter, tiny_target  # noqa: F401  (shared tiny models)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def snapshot(dec):
     layers = dec.verifier.cache.layers
     return ([l.keys.clone() for l in layers], [l.values.clone() for l in layers], dec.verifier.length,

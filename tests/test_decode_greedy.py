@@ -20,15 +20,6 @@ from taps_kernels import Tree
 V = 61
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls: extra threads only add contention on shared CPUs.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def tiny_target(seed=0, vocab=V, ctx=256, layers=6):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,

@@ -11,14 +11,6 @@ from taps.decode import SamplingConfig, SpeculativeDecoder, choose_tokens, make_
 from test_decode_greedy import tiny_drafter, tiny_target  # noqa: F401  (shared tiny models)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8),
                                                      (0.6, 12, 0.9), (2.0, 1, 0.5), (1.0, 0, 0.01)])
 def test_processed_probs_match_hf_warpers(temperature, top_k, top_p):

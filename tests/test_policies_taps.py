@@ -18,14 +18,6 @@ V, HID = 61, 32
 SPECS = ["taps", "taps:8", "taps-paper", "taps-paper:6", "taps-fixed:5", "taps-tiny:8", "ddtree-cost", "ddtree-cost:8"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def tiny_target(seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=V, hidden_size=HID, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -12,14 +12,6 @@ from taps.scoring.train import edge_targets, train_scorer
 V, HID, D = 61, 32, 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
