@@ -7,15 +7,21 @@ import torch
 def propagate_reach_reference(parents: torch.Tensor, edge_logq: torch.Tensor) -> torch.Tensor:
     """``parents [B,N] int32``, ``edge_logq [B,N]`` -> ``log_reach [B,N] f32``; padding (parent -1, i > 0) gets -inf.
 
-    Nodes are visited in index order, so every parent is final before its children read it.
+    Every node gets exactly one float32 addition, its parent's final value plus its edge, so the
+    result does not depend on the order of evaluation. It is evaluated for all nodes at once and
+    repeated until nothing changes: after k sweeps every node at depth <= k is final, so the loop
+    runs (tree depth + 1) times rather than once per node.
     """
     B, N = parents.shape
     edge = edge_logq.float()
+    has_parent = parents >= 0
+    parent_index = parents.clamp(min=0).long()
     out = torch.full((B, N), float("-inf"), dtype=torch.float32, device=parents.device)
     out[:, 0] = 0.0
-    for i in range(1, N):
-        p = parents[:, i].long()
-        has_parent = p >= 0
-        val = out.gather(1, p.clamp(min=0)[:, None])[:, 0] + edge[:, i]
-        out[:, i] = torch.where(has_parent, val, out[:, i])
+    for _ in range(N):
+        new = torch.where(has_parent, out.gather(1, parent_index) + edge, out)
+        new[:, 0] = 0.0
+        if torch.equal(new, out):
+            break
+        out = new
     return out
