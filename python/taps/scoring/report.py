@@ -18,6 +18,16 @@ STAGES = ("prefill", "draft", "pool", "scoring", "selection", "verify", "accept"
 TARGETS = {"tau_vs_ddtree_same_budget": 1.07, "tps_vs_dflash": 1.3, "tps_vs_best_ddtree": 1.15}
 
 
+
+def _save_figure(fig, path: Path) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close ``fig``; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def _fmt(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
@@ -125,11 +135,7 @@ def _plots(runs: List[dict], prefix: str) -> List[Path]:
         ax.set_title(f"{run['dataset']} (T=0, {run['prompts']} prompts)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = Path(f"{prefix}_throughput_vs_tau.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save_figure(fig, Path(f"{prefix}_throughput_vs_tau.png")))
     # 2. speedup and tau against budget
     fig, axes = plt.subplots(2, len(greedy), figsize=(6 * len(greedy), 7), squeeze=False)
     for j, run in enumerate(greedy):
@@ -148,11 +154,7 @@ def _plots(runs: List[dict], prefix: str) -> List[Path]:
             ax.set_title(f"{run['dataset']}: {key} vs budget")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = Path(f"{prefix}_budget.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save_figure(fig, Path(f"{prefix}_budget.png")))
     # 3. acceptance-length histogram
     fig, axes = plt.subplots(1, len(greedy), figsize=(6 * len(greedy), 4), squeeze=False)
     for ax, run in zip(axes[0], greedy):
@@ -170,11 +172,7 @@ def _plots(runs: List[dict], prefix: str) -> List[Path]:
         ax.set_ylabel("fraction of rounds")
         ax.set_title(f"{run['dataset']} (T=0)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = Path(f"{prefix}_accept_hist.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save_figure(fig, Path(f"{prefix}_accept_hist.png")))
     return paths
 
 
