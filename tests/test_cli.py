@@ -142,3 +142,23 @@ def test_stop_tokens_include_template_end(assets):
     assert toks == ["<|im_start|>", "user", "w3", "<|im_end|>", "<|im_start|>", "assistant", "w4", "<|im_end|>",
                     "<|im_start|>", "user", "w1", "w2", "<|im_end|>", "<|im_start|>", "assistant"]
     assert encode_prompt(tok, "w1 w2", raw=True) == tok("w1 w2", add_special_tokens=False)["input_ids"]
+
+
+def test_bench_suite_with_hf_baseline_and_report(assets, capsys, tmp_path):
+    from taps.scoring.report import write_report
+
+    out_json = tmp_path / "suite.json"
+    rc, out, err = run_cli(capsys, "bench-suite", "--datasets", "humaneval", "--limit", 2, "--budgets", "2,4",
+                           "--policies", "ddtree:3", "--t1-policies", "dflash", "--t1-limit", 1, "--hf-baseline",
+                           "--max-new-tokens", 6, "--warmup", 0, "--out", out_json, *common(assets))
+    assert rc == 0, err
+    runs = json.loads(out_json.read_text())["runs"]
+    greedy, sampled = runs
+    assert greedy["temperature"] == 0.0 and not greedy["partial"] and greedy["prompts"] == 2
+    assert set(greedy["policies"]) == {"ar", "dflash", "ddtree:2", "ddtree:4", "ddtree:3", "hf"}
+    assert all(s["identical_to_ar"] == 2 for s in greedy["policies"].values())
+    assert greedy["best_ddtree"] in ("ddtree:2", "ddtree:4", "ddtree:3")
+    assert set(sampled["policies"]) == {"ar", "dflash"} and sampled["temperature"] == 1.0
+    write_report(str(out_json), tmp_path / "r.md", plot_prefix=str(tmp_path / "p"))
+    text = (tmp_path / "r.md").read_text()
+    assert "AR policy speed / HF generate speed" in text and "HF generate included | - | - | yes |" in text

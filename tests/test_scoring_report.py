@@ -31,6 +31,19 @@ def test_check_targets_values():
     assert not bad["lossless: every output identical to AR (temperature 0)"]["met"]
 
 
+def test_check_targets_hf_baseline():
+    r = run()
+    r["policies"]["hf"] = pol(None, None, 8)  # speedup 0.8: AR's time per token is 0.8x HF's
+    checks = {c["name"]: c for c in check_targets(r)}
+    c = checks["AR policy speed / HF generate speed (time per token, same prompts)"]
+    assert c["value"] == pytest.approx(1.25) and c["met"]
+    assert checks["lossless: every output identical to AR (temperature 0), HF generate included"]["met"]
+    r["policies"]["hf"] = pol(None, None, 12, same=1)
+    checks = {c["name"]: c for c in check_targets(r)}
+    assert not checks["AR policy speed / HF generate speed (time per token, same prompts)"]["met"]
+    assert not checks["lossless: every output identical to AR (temperature 0), HF generate included"]["met"]
+
+
 def test_projection_interpolates_the_table():
     table = {"latency": [0.01, 0.02, 0.03], "t0": 0.01}
     assert projected_tps({"tau": 2.0, "nodes_per_round": 2.5}, table) == pytest.approx(2.0 / (0.01 + 0.025))

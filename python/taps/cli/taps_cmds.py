@@ -219,21 +219,24 @@ def _summarize(results):
         sp = s["time_split_s"]
         s["selection_overhead_ms_per_round"] = 1000 * sum(sp.get(k, 0.0) for k in ("pool", "scoring", "selection")) / rounds
         s["stage_ms_per_round"] = {k: 1000 * v / rounds for k, v in sp.items() if k != "prefill"}
-        s["per_prompt"] = [{"id": r["id"], "new_tokens": r["new_tokens"], "seconds": r["seconds"], "tau": r["tau"],
+        s["per_prompt"] = [{"id": r["id"], "new_tokens": r["new_tokens"], "seconds": r["seconds"], "tau": r.get("tau"),
                             "identical_to_ar": r["identical_to_ar"]} for r in recs]
     return summary
 
 
-def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log, on_partial=None):
+def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log, on_partial=None,
+               hf_baseline=False):
     """Run ``items`` x ``specs``; after every prompt (all policies) ``on_partial(summary, prompts_done)`` is
-    called, so a run cut short still leaves a valid JSON of the prompts completed."""
+    called, so a run cut short still leaves a valid JSON of the prompts completed. ``hf_baseline``: also
+    time HF ``generate`` on every prompt (policy ``"hf"``)."""
     from .bench import build_decoders, run_suite
 
     decoders = build_decoders(model, tok, drafter, specs, sampling)
-    partial = {s: [] for s in specs}
+    partial = {s: [] for s in specs + (["hf"] if hf_baseline else [])}
 
     def show(rec):
-        log(f"  {rec['id']:<22} {rec['policy']:<14} {rec['new_tokens']:>4} tok  tau {rec['tau']:.2f}  "
+        tau = f"tau {rec['tau']:.2f}" if "tau" in rec else "        "
+        log(f"  {rec['id']:<22} {rec['policy']:<14} {rec['new_tokens']:>4} tok  {tau}  "
             f"{rec['tokens_per_s']:6.2f} tok/s  "
             f"{ {True: '=AR', False: 'DIFFERS', None: '(sampled)'}[rec['identical_to_ar']] }")
         partial[rec["policy"]].append(rec)
@@ -245,12 +248,12 @@ def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed
     # per prompt: on a shared machine the load drifts within a prompt, and a fixed order would always hand
     # the same policies the slow minutes.
     others = [s for s in specs if s != "ar"]
-    results = {s: [] for s in specs}
+    results = {s: [] for s in partial}
     for i, item in enumerate(items):
         k = i % max(len(others), 1)
         order = (["ar"] if "ar" in decoders else []) + others[k:] + others[:k]
         res = run_suite(model, tok, {s: decoders[s] for s in order}, [item], max_new_tokens, seed=seed,
-                        warmup=warmup if i == 0 else 0, on_record=show)
+                        warmup=warmup if i == 0 else 0, hf_baseline=hf_baseline, on_record=show)
         for s, recs in res.items():
             results[s] += recs
     return _summarize(results)
@@ -315,7 +318,7 @@ def _cmd_bench_suite(args):
             _save(out, args.out)
 
         summ = _run_block(model, tok, drafter, specs, items, SamplingConfig(), args.max_new_tokens, args.seed,
-                          args.warmup, log, on_partial=partial)
+                          args.warmup, log, on_partial=partial, hf_baseline=args.hf_baseline)
         run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
         _save(out, args.out)
     if args.t1_policies:
@@ -436,6 +439,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--hf-baseline", action="store_true",
+                   help="greedy runs: also time HF generate(do_sample=False) on every prompt (row 'hf')")
     p.add_argument("--out", default="bench/results/taps_bench_cpu.json")
     add_model_flags(p)
     p.set_defaults(func=_cmd_bench_suite)
