@@ -124,6 +124,41 @@ def test_tree_matches_path_replay(arch):
     assert differs_from_chain
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_left_padded_batch_equals_each_row_alone(arch):
+    """prefix_mask: a left-padded batch gives every row the logits it gets verified alone, unpadded."""
+    B, N, pad = 2, 10, 3
+    prompt, tree = _prompt(B, 12), _random_trees(B, N, 13)
+    prompt[1, :pad] = 0
+    am = torch.ones(B, PROMPT, dtype=torch.int64)
+    am[1, :pad] = 0
+    model = _model(arch, "taps_tree")
+    ck = _cache_kwarg(model)
+    with torch.no_grad():
+        cache = transformers.DynamicCache()
+        model(input_ids=prompt, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0), use_cache=True,
+              **{ck: cache})
+        position_ids, meta = taps_hf.tree_forward_inputs(tree, torch.full((B,), PROMPT, dtype=torch.int64), am)
+        got = model(input_ids=tree.tokens, position_ids=position_ids, use_cache=True, **{ck: cache},
+                    **{taps_hf.KWARG: meta}).logits
+    assert position_ids[1, 0] == PROMPT - pad and position_ids[0, 0] == PROMPT
+    for b in range(B):
+        row = Tree(*(t[b:b + 1] for t in (tree.tokens, tree.parents, tree.depth, tree.num_nodes)))
+        alone = _verify(model, prompt[b:b + 1, int(PROMPT - am[b].sum()):], row,
+                        tree_kwargs=lambda meta: {taps_hf.KWARG: meta})
+        n = int(tree.num_nodes[b])
+        torch.testing.assert_close(got[b, :n], alone[0, :n], **LOGIT_TOL[torch.float32])
+    # Without the mask the padded row sees its pad keys: the check above can fail.
+    _, unmasked = taps_hf.tree_forward_inputs(tree, torch.full((B,), PROMPT, dtype=torch.int64))
+    with torch.no_grad():
+        cache = transformers.DynamicCache()
+        model(input_ids=prompt, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0), use_cache=True,
+              **{ck: cache})
+        leaky = model(input_ids=tree.tokens, position_ids=position_ids, use_cache=True, **{ck: cache},
+                      **{taps_hf.KWARG: unmasked}).logits
+    assert not torch.allclose(leaky[1], got[1], **LOGIT_TOL[torch.float32])
+
+
 def test_context_manager_equals_kwarg_and_tree_path_is_taken(monkeypatch):
     B, N = 2, 9
     prompt, tree = _prompt(B, 5), _random_trees(B, N, 6)
@@ -160,6 +195,8 @@ def test_metadata_errors_name_the_argument():
         taps_hf.TreeAttentionMetadata(torch.zeros(2, 5, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="prefix_lens"):
         taps_hf.TreeAttentionMetadata(torch.zeros(2, 5, 1, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="prefix_mask"):
+        taps_hf.TreeAttentionMetadata(torch.zeros(2, 5, 1, dtype=torch.int32), prefix_mask=torch.ones(3, 4, dtype=torch.bool))
     prompt, tree = _prompt(2, 8), _random_trees(2, 6, 9)
     wrong = taps_hf.TreeAttentionMetadata(torch.zeros(2, 5, 1, dtype=torch.int32))  # 5 nodes, forward has 6
     with pytest.raises(ValueError, match="taps_tree.ancestor_bits"):

@@ -30,10 +30,14 @@ tree key j is visible to node i iff bit j of ``ancestor_bits[b, i]`` is set. Pos
 ``prefix_lens + depth`` (:func:`tree_forward_inputs` returns them). After acceptance, crop/compact the
 cache with :func:`taps_kernels.compact_kv` on the per-layer key/value tensors.
 
+Padded batches: pass the 2-D ``attention_mask`` of the cached prefix as ``prefix_mask`` to
+:func:`tree_forward_inputs`; the position ids then count real tokens only, and the padded keys are
+hidden. That path builds a dense ``[B, 1, N, L]`` boolean mask and runs SDPA (the fused kernels have
+no key-padding input); without padding the fused op runs.
+
 Limits: every row of the batch must have the same cache length when ``prefix_lens`` is omitted
-(HF's ``DynamicCache`` appends the tree at the same offset for all rows); left padding inside the
-prefix is not masked (prefix keys are always visible); no sliding-window layers, soft-capping or
-attention dropout while a tree is active (these raise).
+(HF's ``DynamicCache`` appends the tree at the same offset for all rows); no sliding-window layers,
+soft-capping or attention dropout while a tree is active (these raise).
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ class TreeAttentionMetadata:
     Attributes:
         ancestor_bits: ``[B, N, ceil(N/32)] int32`` from :func:`taps_kernels.tree_mask` (node order of the
             forward's ``input_ids``).
+        prefix_mask: optional ``[B, P]`` bool/int (1 = real token, 0 = padding) over the ``P`` cached keys,
+            i.e. HF's 2-D ``attention_mask`` of the prefix; padded keys are hidden from the tree.
         prefix_lens: optional ``[B] int64`` cached tokens before each tree; the tree of row b occupies keys
             ``prefix_lens[b] .. prefix_lens[b] + N - 1``. Default: ``L - N`` for every row, where ``L`` is the
             key length each layer sees (the cache length after appending the tree).
@@ -69,6 +75,7 @@ class TreeAttentionMetadata:
 
     ancestor_bits: torch.Tensor
     prefix_lens: Optional[torch.Tensor] = None
+    prefix_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         check_tensor("ancestor_bits", self.ancestor_bits, dtypes=(torch.int32,), ndim=3)
@@ -78,18 +85,51 @@ class TreeAttentionMetadata:
         if self.prefix_lens is not None:
             check_tensor("prefix_lens", self.prefix_lens, dtypes=(torch.int64, torch.int32), shape=(B,),
                          device=self.ancestor_bits.device)
+        if self.prefix_mask is not None:
+            check_tensor("prefix_mask", self.prefix_mask, dtypes=(torch.bool, torch.int64, torch.int32), ndim=2,
+                         device=self.ancestor_bits.device)
+            if self.prefix_mask.shape[0] != B:
+                raise ValueError(f"prefix_mask: expected {B} rows (one per tree), received shape "
+                                 f"{tuple(self.prefix_mask.shape)}")
 
 
-def tree_forward_inputs(tree: Tree, prefix_lens: torch.Tensor) -> Tuple[torch.Tensor, TreeAttentionMetadata]:
+def tree_forward_inputs(tree: Tree, prefix_lens: torch.Tensor, prefix_mask: Optional[torch.Tensor] = None
+                        ) -> Tuple[torch.Tensor, TreeAttentionMetadata]:
     """``(position_ids [B,N] int64, TreeAttentionMetadata)`` for a forward over ``tree.tokens``.
 
     Builds (and validates) the mask with :func:`taps_kernels.tree_mask`; ``prefix_lens [B] int64``
-    must equal the number of tokens already in the cache for each row.
+    must equal the number of tokens already in the cache for each row. ``prefix_mask [B, P]``
+    (left-padded batches: HF's 2-D attention mask of the cached tokens, ``P = max(prefix_lens)``):
+    position ids count only real tokens, and padded keys are hidden from the tree.
     """
     from ..ops import tree_mask
 
     position_ids, bits = tree_mask(tree, prefix_lens)
-    return position_ids, TreeAttentionMetadata(bits, prefix_lens.long())
+    if prefix_mask is not None:
+        P = int(prefix_lens.max())
+        check_tensor("prefix_mask", prefix_mask, dtypes=(torch.bool, torch.int64, torch.int32),
+                     shape=(tree.tokens.shape[0], P), device=tree.tokens.device)
+        pads = prefix_lens.long() - prefix_mask.long().sum(1)
+        position_ids = position_ids - pads[:, None]
+    return position_ids, TreeAttentionMetadata(bits, prefix_lens.long(), prefix_mask)
+
+
+def _tree_attention_padded(query, key, value, ancestor_bits, prefix_lens, prefix_mask, scale):
+    """Dense-mask SDPA over the tree plus a key-padding mask of the prefix: ``[B, N, Hq, Dh]``."""
+    from ..reference.attention import tree_visibility
+
+    B, Hq, N, _ = query.shape
+    L = key.shape[2]
+    P = prefix_mask.shape[1]
+    if P > L - N:
+        raise ValueError(f"{KWARG}.prefix_mask: expected at most {L - N} prefix keys (cache length before the tree), "
+                         f"received shape {tuple(prefix_mask.shape)}")
+    keep = torch.ones(B, L, dtype=torch.bool, device=query.device)
+    keep[:, :P] = prefix_mask.bool()
+    visible = tree_visibility(ancestor_bits, prefix_lens, L) & keep[:, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible[:, None], scale=scale,
+                                                           enable_gqa=Hq != key.shape[1])
+    return out.transpose(1, 2).contiguous()
 
 
 _ACTIVE: contextvars.ContextVar[Optional[TreeAttentionMetadata]] = contextvars.ContextVar("taps_tree", default=None)
@@ -146,6 +186,9 @@ def taps_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     prefix_lens = meta.prefix_lens
     if prefix_lens is None:
         prefix_lens = torch.full((B,), key.shape[2] - N, dtype=torch.int64, device=query.device)
+    if meta.prefix_mask is not None:
+        return _tree_attention_padded(query, key, value, meta.ancestor_bits, prefix_lens, meta.prefix_mask,
+                                      scaling), None
     out = custom_ops.tree_attention(query.contiguous(), key.contiguous(), value.contiguous(), meta.ancestor_bits,
                                     prefix_lens, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
