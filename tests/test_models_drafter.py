@@ -205,3 +205,28 @@ def test_feature_scale_folds_into_fc(tmp_path):
     st2 = m2.new_state(1)
     m2.append_context(st2, feats)
     torch.testing.assert_close(m2.draft(st2, torch.tensor([3]), emb, head)[0], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_head_dtype_projects_with_a_cached_low_precision_copy():
+    m, emb, head = make()
+    st = m.new_state(1)
+    m.append_context(st, torch.randn(1, 9, m.config.num_context_features))
+    exact = m.draft(st, torch.tensor([3]), emb, head)[0]
+    m.head_dtype = torch.bfloat16
+    low = m.draft(st, torch.tensor([3]), emb, head)[0]
+    assert low.dtype == torch.float32 and not torch.equal(low, exact)
+    want = nn.functional.linear(m.draft(st, torch.tensor([3]), emb, head)[1].bfloat16(), head.weight.bfloat16()).float()
+    torch.testing.assert_close(low, want, atol=0, rtol=0)
+    torch.testing.assert_close(low, exact, atol=0.05 * exact.abs().max().item(), rtol=0)
+    with torch.no_grad():  # an in-place update of the head must not leave a stale copy behind
+        head.weight.mul_(2)
+    torch.testing.assert_close(m.draft(st, torch.tensor([3]), emb, head)[0], 2 * low, atol=1e-2, rtol=1e-2)
+    m.head_dtype = None
+    torch.testing.assert_close(m.draft(st, torch.tensor([3]), emb, head)[0], 2 * exact, atol=1e-5, rtol=1e-5)
+
+
+def test_fast_head_dtype_is_bf16_only_on_native_bf16_cpus():
+    from taps.models.drafter import cpu_has_native_bf16, fast_head_dtype
+
+    assert fast_head_dtype("cpu") == (torch.bfloat16 if cpu_has_native_bf16() else None)
+    assert fast_head_dtype("meta") is None

@@ -36,6 +36,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"DFlash drafter dir (default {DEFAULT_DRAFTER})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(DTYPES),
+                   help="dtype of the drafter's vocabulary projection (auto: bfloat16 on CPUs with native bf16, "
+                        "else the target's; proposals only, outputs are unchanged)")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: batch-1 decoding of a small model gains little from more, "
                         "and on a shared CPU torch's one-thread-per-core default ran 5x slower here)")
@@ -129,6 +132,8 @@ def load_drafter_cli(args, target_model):
             raise CLIError(f"--drafter {p} does not fit --target {args.target}: {_first_line(e)}") from None
     emb = target_model.get_input_embeddings().weight
     drafter = drafter.to(device=emb.device, dtype=emb.dtype).eval()
+    choice = getattr(args, "draft_head_dtype", "auto")
+    drafter.head_dtype = drafter_mod.fast_head_dtype(emb.device) if choice == "auto" else DTYPES[choice]
     return drafter
 
 

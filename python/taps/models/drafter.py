@@ -327,10 +327,43 @@ class DFlashState:
         return self.k[0].shape[0] if self.k else 0
 
 
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16, Linux flags)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return False
+
+
+def fast_head_dtype(device) -> Optional[torch.dtype]:
+    """The dtype :meth:`DFlashDrafter.draft` should project onto the vocabulary with on ``device``
+    (``None``: the LM head's own dtype).
+
+    On a CPU the ``D x V`` vocabulary projection is most of a draft pass (SmolLM2: ~75%). The draft
+    logits only propose tokens that the target then verifies, so a bf16 copy of the head changes no
+    generated token, at most (rarely) a proposal. bf16 only pays where the CPU has native bf16 dot
+    products; elsewhere it is emulated and slower. On CUDA the head is used as loaded.
+    """
+    dev = torch.device(device)
+    if dev.type == "cpu" and cpu_has_native_bf16():
+        return torch.bfloat16
+    return None
+
+
 class DFlashDrafter(nn.Module):
+    #: dtype of the vocabulary projection in :meth:`draft` (``None``: the LM head's own dtype); see
+    #: :func:`fast_head_dtype`. Training and :meth:`forward_blocks` never use it.
+    head_dtype: Optional[torch.dtype] = None
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg
+        self._head_copy = None  # ((weight identity, version, dtype), weight in head_dtype)
         self.fc = nn.Linear(cfg.num_context_features, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
@@ -448,8 +481,19 @@ class DFlashDrafter(nn.Module):
         for l, layer in enumerate(self.layers):
             x = layer(x, cos, sin, state.k[l], state.v[l], None)
         hidden = self.norm(x)[:, 1:]
-        logits = lm_head(hidden.to(lm_head.weight.dtype)).float()
-        return logits, hidden
+        return self._vocab_logits(hidden, lm_head), hidden
+
+    def _vocab_logits(self, hidden: torch.Tensor, lm_head) -> torch.Tensor:
+        """``lm_head(hidden)`` in float32, computed in :attr:`head_dtype` (a cached copy of the weight)."""
+        w = lm_head.weight
+        dt = self.head_dtype or w.dtype
+        if dt == w.dtype:
+            return lm_head(hidden.to(w.dtype)).float()
+        key = (w.data_ptr(), w._version, dt)
+        if self._head_copy is None or self._head_copy[0] != key:
+            self._head_copy = (key, w.detach().to(dt))
+        bias = getattr(lm_head, "bias", None)
+        return F.linear(hidden.to(dt), self._head_copy[1], None if bias is None else bias.to(dt)).float()
 
     # ---------------------------------------------------------------- training
     def forward_blocks(self, ctx_features: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor,

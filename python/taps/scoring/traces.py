@@ -172,7 +172,7 @@ def collect_traces(out_dir, drafter_dir, target: str = "smollm2", num_prompts: i
 
     from taps.cli.common import stop_token_ids
     from taps.data import chat_prompt_ids
-    from taps.models.drafter import load_drafter
+    from taps.models.drafter import fast_head_dtype, load_drafter
     from taps.models.target import load_target
 
     if threads:
@@ -181,6 +181,7 @@ def collect_traces(out_dir, drafter_dir, target: str = "smollm2", num_prompts: i
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_target(target)
     drafter = load_drafter(drafter_dir, dtype=torch.float32, target_config=model.config).eval()
+    drafter.head_dtype = fast_head_dtype(next(model.parameters()).device)  # as the CLI decoders draft
     ident = drafter_identity(drafter_dir)
     meta = {"target": target, "drafter": ident, "pool_size": pool_size, "top_k": top_k, "lattice_k": lattice_k,
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
