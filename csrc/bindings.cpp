@@ -135,7 +135,7 @@ std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k
   // Same ATen expressions as reference/pool.py::topk_stats_reference, so entropy and mass are bit-identical.
   at::Tensor logp = at::log_softmax(draft_logits.to(at::kFloat), -1);
   at::Tensor p = logp.exp();
-  at::Tensor entropy = -at::where(p > 0, p * logp, at::zeros_like(p)).sum(-1);
+  at::Tensor entropy = -(p * logp).nansum(-1);
   at::Tensor logp_c = logp.contiguous();
   at::Tensor vals = at::empty({B, D, K2}, logp.options());
   at::Tensor ids = at::empty({B, D, K2}, logp.options().dtype(at::kLong));

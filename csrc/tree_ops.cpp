@@ -32,6 +32,15 @@ inline uint32_t float_order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Sorts the kept entries (best first) into vals/ids.
+void finish_topk(std::vector<std::pair<float, int64_t>>& heap, int32_t K, float* vals, int64_t* ids) {
+  std::sort_heap(heap.begin(), heap.end(), topk_before);
+  for (int32_t k = 0; k < K; ++k) {
+    vals[k] = heap[k].first;
+    ids[k] = heap[k].second;
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------
@@ -46,20 +55,29 @@ void topk_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, T
   }
   // Indices ascend, so an entry met later never wins a tie: it enters only when strictly better than
   // the last kept one (a NaN beats any number; nothing beats a kept NaN).
-  for (; i < V; ++i) {
-    const float v = x[i];
+  auto offer = [&](int64_t j) {
+    const float v = x[j];
     const float last = heap.front().first;
     if (v > last || (std::isnan(v) && !std::isnan(last))) {
       std::pop_heap(heap.begin(), heap.end(), topk_before);
-      heap.back() = {v, i};
+      heap.back() = {v, j};
       std::push_heap(heap.begin(), heap.end(), topk_before);
     }
+  };
+  // Almost no entry can enter once the heap is full: test a chunk with one branch-free (vectorisable)
+  // pass, "any entry not <= the last kept" (true for larger ones and for NaN), and offer its entries
+  // one by one only then. The chunk test never skips an entry that offer() would keep.
+  constexpr int64_t kChunk = 32;
+  for (; i + kChunk <= V; i += kChunk) {
+    const float last = heap.front().first;
+    if (std::isnan(last)) return finish_topk(heap, K, vals, ids);
+    bool candidate = false;
+    for (int64_t j = 0; j < kChunk; ++j) candidate |= !(x[i + j] <= last);
+    if (!candidate) continue;
+    for (int64_t j = 0; j < kChunk; ++j) offer(i + j);
   }
-  std::sort_heap(heap.begin(), heap.end(), topk_before);
-  for (int32_t k = 0; k < K; ++k) {
-    vals[k] = heap[k].first;
-    ids[k] = heap[k].second;
-  }
+  for (; i < V; ++i) offer(i);
+  finish_topk(heap, K, vals, ids);
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -160,6 +160,20 @@ def test_topk_stats_nan_row():
         assert_same(getattr(a, f), getattr(b, f), f)
 
 
+@pytest.mark.parametrize("top_k", [1, 7, 40])
+def test_topk_stats_nan_and_ties_across_chunks(top_k):
+    # The C++ scan tests 32 entries at a time: NaN, ties and late winners on both sides of chunk edges.
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randint(-4, 4, (2, 3, 301), generator=g).float()
+    logits[0, 1, [31, 32, 200, 300]] = float("nan")
+    logits[1, 0, 299] = 50.0  # the best entry sits in the tail after the last full chunk
+    logits[1, 2, 64] = float("-inf")
+    a, b = both(tk.topk_stats, logits, top_k)
+    for f in ("topk_logp", "topk_ids", "entropy", "margin", "topk_mass"):
+        assert_same(getattr(a, f), getattr(b, f), f)
+    assert int(b.topk_ids[1, 0, 0]) == 299
+
+
 def _oracle_prefixes(logits: torch.Tensor, K: int):
     """Every prefix over the top-K tokens of each position with its log mass (float64 numpy, no taps code)."""
     x = logits.double().numpy()

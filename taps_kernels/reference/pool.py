@@ -20,7 +20,8 @@ def topk_stats_reference(draft_logits: torch.Tensor, top_k: int):
     topk_logp = sorted_logp[..., :K].contiguous()
     topk_ids = sorted_ids[..., :K].contiguous()
     p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    # p * logp is NaN only where p == 0 (logp == -inf), whose term is 0: nansum drops exactly those.
+    entropy = -(p * logp).nansum(-1)
     margin = sorted_logp[..., 0] - sorted_logp[..., 1] if V > 1 else torch.zeros_like(entropy)
     topk_mass = topk_logp.exp().sum(-1)
     return topk_logp, topk_ids, entropy, margin, topk_mass
