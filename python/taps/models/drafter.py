@@ -487,13 +487,18 @@ class DFlashDrafter(nn.Module):
         """``lm_head(hidden)`` in float32, computed in :attr:`head_dtype` (a cached copy of the weight)."""
         w = lm_head.weight
         dt = self.head_dtype or w.dtype
+        # 2-D rows: a strided 3-D input sends linear through a broadcast bmm, which copies the whole
+        # [V, H] weight on every call for bf16.
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(dt)
         if dt == w.dtype:
-            return lm_head(hidden.to(w.dtype)).float()
-        key = (w.data_ptr(), w._version, dt)
-        if self._head_copy is None or self._head_copy[0] != key:
-            self._head_copy = (key, w.detach().to(dt))
-        bias = getattr(lm_head, "bias", None)
-        return F.linear(hidden.to(dt), self._head_copy[1], None if bias is None else bias.to(dt)).float()
+            out = lm_head(rows)
+        else:
+            key = (w.data_ptr(), w._version, dt)
+            if self._head_copy is None or self._head_copy[0] != key:
+                self._head_copy = (key, w.detach().to(dt))
+            bias = getattr(lm_head, "bias", None)
+            out = F.linear(rows, self._head_copy[1], None if bias is None else bias.to(dt))
+        return out.float().view(*hidden.shape[:-1], -1)
 
     # ---------------------------------------------------------------- training
     def forward_blocks(self, ctx_features: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor,
