@@ -63,17 +63,6 @@ def run(args) -> int:
             if args.policies or spec not in OPTIONAL_POLICIES:
                 raise
             print(f"(skipping {e})")
-    from taps.data import PromptItem as _Item
-
-    from .common import run_item
-    for spec in [s for s in decoders if s in OPTIONAL_POLICIES and not args.policies]:
-        # an optional policy's learned parts may not fit this target (e.g. a scorer trained for another
-        # model): try one short generation and leave the policy out if it fails
-        try:
-            run_item(decoders[spec], tok, _Item("probe", "probe", ["Say hello."]), 8)
-        except Exception as e:  # noqa: BLE001 - any failure of an optional extra means: not shown
-            print(f"(skipping policy {spec}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]})")
-            del decoders[spec]
     specs = list(decoders)
 
     print(f"target {args.target}, drafter {args.drafter}, {len(items)} prompts, {args.max_new_tokens} new tokens, "
