@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "rows_linear.h"
 #include "tree_ops.h"
 
 namespace py = pybind11;
@@ -530,6 +531,36 @@ std::vector<int64_t> validate_tree(const at::Tensor& tokens_in, const at::Tensor
   return {static_cast<int64_t>(c.kind), c.b, c.i};
 }
 
+// ------------------------------------------------------------------------------------------------ rows_linear
+// x [M,K] f32, weight [N,K] f32, bias [N] f32 or None -> y [M,N] f32 (see rows_linear.h).
+at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in) {
+  check_arg(x_in, "x", {at::kFloat}, {-1, -1});
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  check_arg(weight_in, "weight", {at::kFloat}, {-1, K});
+  const int64_t N = weight_in.size(0);
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    check_arg(*bias_in, "bias", {at::kFloat}, {N});
+    bias = bias_in->contiguous();
+  }
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  py::gil_scoped_release no_gil;
+  if (K == 0) {
+    y.zero_();
+    if (bp) y.add_(bias);
+    return y;
+  }
+  const int64_t tiles = (N + taps::kRowsLinearTile - 1) / taps::kRowsLinearTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { taps::rows_linear_tiles(xp, wp, bp, yp, M, N, K, t0, t1); });
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -565,6 +596,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tokens"), py::arg("parents"), py::arg("num_nodes"), py::arg("target_tokens"), py::arg("path_len"));
   m.def("compact_kv", &compact_kv, "In place on every cache tensor [B,H,L,Dh]; -> new_lens [B] i64", py::arg("keys"),
         py::arg("values"), py::arg("prefix_lens"), py::arg("path"));
+  m.def("rows_linear", &rows_linear, "x [M,K] f32, weight [N,K] f32, bias [N] f32 or None -> x . weight^T + bias [M,N] f32",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("rows_linear_vectorized", &taps::rows_linear_vectorized, "whether rows_linear runs its AVX-512 path here");
   m.def("validate_tree", &validate_tree,
         "-> [fault kind (0 ok, see tree_ops.h TreeFault), b, i] of the first structural violation; vocab_size < 0 skips tokens",
         py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("vocab_size") = -1);

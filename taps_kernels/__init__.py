@@ -5,14 +5,16 @@ Public ops (shapes, dtypes and node order in each docstring; tree layout in
 :func:`best_first_pool`, :func:`propagate_reach`, :func:`select_subtree`,
 :func:`tree_mask`, :func:`ancestor_bits_to_additive_mask`,
 :func:`tree_attention`, :func:`accept_greedy`, :func:`compact_kv`,
-:func:`score_edges` (weights: :class:`ScorerWeights`).
+:func:`score_edges` (weights: :class:`ScorerWeights`), and :func:`rows_linear` (few-row
+linear layers for verify forwards on CPU).
 Every op takes ``backend=`` ("reference", "cpp", "triton", "cuda"); the default
 is chosen in :mod:`taps_kernels.backend`.
 """
 from .backend import BackendUnavailable, available_backends, warn_if_cpp_missing
 from .layout import CandidatePool, Selection, TopKStats, Tree
 from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool, candidate_pool, compact_kv,
-                  propagate_reach, score_edges, select_subtree, topk_stats, tree_attention, tree_mask)
+                  propagate_reach, rows_linear, score_edges, select_subtree, topk_stats, tree_attention,
+                  tree_mask)
 from .reference.score import ScorerWeights
 
 __version__ = "0.1.0"
@@ -23,5 +25,5 @@ __all__ = [
     "Tree", "CandidatePool", "TopKStats", "Selection", "BackendUnavailable", "available_backends",
     "candidate_pool", "topk_stats", "best_first_pool", "propagate_reach", "select_subtree", "tree_mask",
     "ancestor_bits_to_additive_mask", "tree_attention", "accept_greedy", "compact_kv",
-    "score_edges", "ScorerWeights",
+    "score_edges", "ScorerWeights", "rows_linear",
 ]

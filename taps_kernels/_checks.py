@@ -24,7 +24,7 @@ def check_tensor(name: str, value, dtypes: Optional[Sequence[torch.dtype]] = Non
     if shape is not None:
         for want, got in zip(shape, value.shape):
             if want is not None and want != got:
-                pretty = tuple("*" if s is None else s for s in shape)
+                pretty = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
                 raise ValueError(f"{name}: expected shape {pretty}, received {tuple(value.shape)}")
     if device is not None and value.device != torch.device(device):
         raise ValueError(f"{name}: expected a tensor on {device}, received one on {value.device}")

@@ -126,6 +126,23 @@ def resolve(op: str, backend: Optional[str], device: torch.device) -> Tuple[str,
     return backend, _IMPLS[(op, backend)]
 
 
+# Few-row linear layers (taps_kernels.rows_linear). Measured on the 2-core AVX-512 CPU of this project
+# (bench/bench_rows_linear.py, 1 thread): torch's linear runs BLAS sgemm, which from 2 rows on costs about
+# twice its 1-row sgemv although both only stream the weights (SmolLM2's LM head: 25 ms at 1 row, ~50 ms
+# at 2-8 rows); the C++ kernel streams each weight row once for all rows and stays near the 1-row cost up
+# to ~8 rows, ahead of BLAS up to 32. Past 32 rows (prefill) BLAS is the better kernel; without AVX-512
+# the C++ kernel is plain loops, slower than BLAS; on GPUs cuBLAS.
+ROWS_LINEAR_MAX_ROWS = 32
+
+
+def rows_linear_backend(rows: int, device: torch.device, dtype: torch.dtype) -> str:
+    """Default backend of ``rows_linear`` for ``rows`` rows of ``dtype`` on ``device`` (reasons above)."""
+    if device.type != "cpu" or dtype != torch.float32 or not 1 <= rows <= ROWS_LINEAR_MAX_ROWS:
+        return "reference"
+    mod, _ = load_extension("_C")
+    return "cpp" if mod is not None and mod.rows_linear_vectorized() else "reference"
+
+
 def available_backends(op: str, device: torch.device) -> Dict[str, str]:
     """``{backend: reason}`` for every backend; an empty reason means available."""
     _ensure_registered()

@@ -67,3 +67,9 @@ def compact_kv_cpp(keys: List[torch.Tensor], values: List[torch.Tensor], prefix_
                    path: torch.Tensor) -> torch.Tensor:
     """In place on every ``[B,H,L,Dh]`` cache tensor; -> ``new_lens [B] int64``. Checks the path before any write."""
     return _C.compact_kv(list(keys), list(values), prefix_lens, path)
+
+
+@register("rows_linear", "cpp")
+def rows_linear_cpp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [M,K] f32, weight [N,K] f32, bias [N] f32 or None`` -> ``x @ weight.T + bias [M,N] f32``."""
+    return _C.rows_linear(x, weight, bias)

@@ -22,6 +22,8 @@ register("tree_attention", "reference", gpu_order=("triton",))(ref.tree_attentio
 register("accept_greedy", "reference", gpu_order=("cuda",))(ref.accept_greedy_reference)
 register("compact_kv", "reference", gpu_order=("cuda",))(ref.compact_kv_reference)
 register("score_edges", "reference", gpu_order=("triton",))(score_edges_reference)
+# GPUs keep cuBLAS: the few-row kernel is a CPU answer to BLAS sgemm at small M (see backend.rows_linear_backend)
+register("rows_linear", "reference", gpu_order=())(ref.rows_linear_reference)
 
 for _module in ("taps_kernels.cpp_impls", "taps_kernels.cuda_impls", "taps_kernels.triton"):
     try:

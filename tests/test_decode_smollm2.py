@@ -41,12 +41,20 @@ def test_every_policy_equals_hf_generate(smollm2, prompt):
     from taps.decode import SpeculativeDecoder, make_policy
     from taps.models.target import apply_chat_template
 
+    from taps_kernels.integrations.rows_linear import restore_linear, use_rows_linear
+
     model, tok, drafter, stops = smollm2
     ids = apply_chat_template(tok, prompt)
     inp = torch.tensor([ids])
-    with torch.no_grad():
-        ref = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=24,
-                             eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    # the reference runs torch's own linear layers; our decoders the few-row kernel load_target installs
+    n_swapped = restore_linear(model)
+    try:
+        with torch.no_grad():
+            ref = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=24,
+                                 eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    finally:
+        use_rows_linear(model)
+    assert n_swapped > 0
     for spec in ("ar", "dflash", "ddtree:4", "ddtree:16"):
         res = SpeculativeDecoder(model, make_policy(spec), drafter=drafter, stop_token_ids=stops).generate(ids, 24)
         assert res.token_ids == ref, (spec, tok.decode(res.token_ids), tok.decode(ref))

@@ -2,6 +2,7 @@
 from .accept import accept_greedy
 from .attention import tree_attention
 from .kv import compact_kv
+from .linear import rows_linear
 from .mask import ancestor_bits_to_additive_mask, tree_mask
 from .pool import best_first_pool, candidate_pool, topk_stats
 from .reach import propagate_reach
@@ -10,4 +11,4 @@ from .select import select_subtree
 
 __all__ = ["accept_greedy", "tree_attention", "compact_kv", "ancestor_bits_to_additive_mask", "tree_mask",
            "best_first_pool", "candidate_pool", "topk_stats", "propagate_reach", "select_subtree",
-           "score_edges"]
+           "score_edges", "rows_linear"]

@@ -39,6 +39,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(DTYPES),
                    help="dtype of the drafter's vocabulary projection (auto: bfloat16 on CPUs with native bf16, "
                         "else the target's; proposals only, outputs are unchanged)")
+    p.add_argument("--linear-kernel", default="auto", choices=("auto", "torch"),
+                   help="target linear layers (auto: the few-row C++ kernel for AR steps and tree verifies on "
+                        "AVX-512 CPUs, torch's linear elsewhere; torch: torch's linear everywhere)")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: batch-1 decoding of a small model gains little from more, "
                         "and on a shared CPU torch's one-thread-per-core default ran 5x slower here)")
@@ -89,7 +92,8 @@ def load_target_cli(args):
     from taps.models.target import load_target
 
     try:
-        model, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+        model, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device,
+                                 linear_kernel=getattr(args, "linear_kernel", "auto"))
     except (FileNotFoundError, ValueError, ImportError, OSError) as e:
         raise CLIError(f"--target {args.target}: {_first_line(e)}") from None
     return model, tok

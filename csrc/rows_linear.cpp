@@ -1,0 +1,115 @@
+// Few-row linear layer (see rows_linear.h for why and the blocking).
+#include "rows_linear.h"
+
+#include <algorithm>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's avx512fintrin.h trips its own -Wuninitialized in the masked loads (a known false positive).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#define TAPS_HAVE_AVX512_PATH 1
+#endif
+
+namespace taps {
+
+namespace {
+
+}  // namespace
+
+// Plain loops: the fallback on CPUs without AVX-512 (and the shape of what the vector path computes).
+void rows_linear_tiles_scalar(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
+                              int64_t K, int64_t t0, int64_t t1) {
+  const int64_t n0 = t0 * kRowsLinearTile, n1 = std::min(N, t1 * kRowsLinearTile);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * w[n * K + k];
+      y[m * N + n] = acc + (bias ? bias[n] : 0.0f);
+    }
+  }
+}
+
+namespace {
+
+#ifdef TAPS_HAVE_AVX512_PATH
+// y[c, r] = dot(x[c, :], w[r, :]) (+ bias[r]) for R weight rows and C x rows; ldy is y's row stride.
+template <int R, int C>
+__attribute__((target("avx512f"))) inline void micro_avx512(const float* x, const float* w, const float* bias,
+                                                             float* y, int64_t ldy, int64_t K) {
+  const int64_t kmain = K & ~int64_t(15);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - kmain)) - 1u);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kmain; k += 16) {
+    __m512 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(x + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_loadu_ps(w + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv, xv[c], acc[r][c]);
+    }
+  }
+  if (tail) {
+    __m512 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_maskz_loadu_ps(tail, x + c * K + kmain);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_maskz_loadu_ps(tail, w + r * K + kmain);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv, xv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[c * ldy + r] = _mm512_reduce_add_ps(acc[r][c]) + (bias ? bias[r] : 0.0f);
+}
+
+template <int C>
+__attribute__((target("avx512f"))) void rows_avx512(const float* x, const float* w, const float* bias, float* y,
+                                                     int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) micro_avx512<4, C>(x, w + n * K, bias ? bias + n : nullptr, y + n, N, K);
+  for (; n < n1; ++n) micro_avx512<1, C>(x, w + n * K, bias ? bias + n : nullptr, y + n, N, K);
+}
+
+__attribute__((target("avx512f"))) void tile_avx512(const float* x, const float* w, const float* bias, float* y,
+                                                    int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    switch (std::min<int64_t>(4, M - m)) {
+      case 4: rows_avx512<4>(xm, w, bias, ym, N, K, n0, n1); break;
+      case 3: rows_avx512<3>(xm, w, bias, ym, N, K, n0, n1); break;
+      case 2: rows_avx512<2>(xm, w, bias, ym, N, K, n0, n1); break;
+      default: rows_avx512<1>(xm, w, bias, ym, N, K, n0, n1); break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool rows_linear_vectorized() {
+#ifdef TAPS_HAVE_AVX512_PATH
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+void rows_linear_tiles(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                       int64_t t0, int64_t t1) {
+#ifdef TAPS_HAVE_AVX512_PATH
+  if (rows_linear_vectorized()) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kRowsLinearTile;
+      tile_avx512(x, w, bias, y, M, N, K, n0, std::min(N, n0 + kRowsLinearTile));
+    }
+    return;
+  }
+#endif
+  rows_linear_tiles_scalar(x, w, bias, y, M, N, K, t0, t1);
+}
+
+}  // namespace taps

@@ -1,0 +1,57 @@
+"""Route a model's ``nn.Linear`` layers through :func:`taps_kernels.rows_linear` (few-row CPU kernel).
+
+On CPU, an AR step multiplies every weight by 1 row and a tree verify by a few; BLAS sgemm costs about
+twice its 1-row cost from 2 rows on (``taps_kernels.backend.rows_linear_backend`` has the numbers), so a
+verify forward of a small tree cost ~1.6x an AR step although both stream the same weights.
+:func:`use_rows_linear` swaps the class of every eligible ``nn.Linear`` in place (weights shared, nothing
+copied); each call then picks the kernel from its row count: the C++ kernel for 1..32 float32 rows,
+torch's linear otherwise (prefill, GPUs, other dtypes). Outputs equal torch's to float32 rounding.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..backend import resolve, rows_linear_backend
+
+
+class RowsLinear(nn.Linear):
+    """``nn.Linear`` whose forward runs the few-row kernel where it is faster (same parameters, same outputs).
+
+    The C++ kernel has no backward: calls that need gradients, other dtypes, GPUs and more than
+    ``ROWS_LINEAR_MAX_ROWS`` rows run torch's linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        K = x.shape[-1]
+        rows = x.numel() // K if K else 0
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if (needs_grad or x.dtype != self.weight.dtype
+                or rows_linear_backend(rows, x.device, x.dtype) != "cpp"):
+            return super().forward(x)
+        _, fn = resolve("rows_linear", "cpp", x.device)
+        return fn(x.reshape(rows, K), self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)
+
+
+def use_rows_linear(model: nn.Module) -> int:
+    """Swap every plain ``nn.Linear`` of ``model`` to :class:`RowsLinear` in place; returns how many.
+
+    Subclasses of ``nn.Linear`` (quantised or LoRA layers with their own forward) are left alone;
+    :func:`restore_linear` undoes the swap.
+    """
+    n = 0
+    for mod in model.modules():
+        if type(mod) is nn.Linear:
+            mod.__class__ = RowsLinear
+            n += 1
+    return n
+
+
+def restore_linear(model: nn.Module) -> int:
+    """Undo :func:`use_rows_linear`; returns how many layers were restored."""
+    n = 0
+    for mod in model.modules():
+        if type(mod) is RowsLinear:
+            mod.__class__ = nn.Linear
+            n += 1
+    return n

@@ -1,0 +1,38 @@
+"""Few-row linear layer: the target's matmuls in an AR step (1 row) or a verify forward (a tree's rows)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._checks import check_tensor
+from ..backend import resolve, rows_linear_backend
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                backend: Optional[str] = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, what ``torch.nn.functional.linear`` computes, fast for few rows on CPU.
+
+    Args:
+        x: ``[..., K]`` (any leading dims; their product is the row count ``M``).
+        weight: ``[N, K]``, same dtype and device as ``x``.
+        bias: ``[N]`` or None.
+        backend: None picks per call (:func:`taps_kernels.backend.rows_linear_backend`: the C++ kernel
+            for 1..32 float32 rows on an AVX-512 CPU, torch's linear otherwise); ``"cpp"`` needs float32
+            CPU tensors.
+    Returns:
+        ``[..., N]`` in ``x``'s dtype. The C++ kernel sums in another order than BLAS: equal to the
+        reference to float32 rounding (~1e-6 relative), not bit for bit.
+    """
+    check_tensor("x", x, ndim=None)
+    if x.dim() < 1:
+        raise ValueError(f"x: expected at least 1 dimension [..., K], received shape {tuple(x.shape)}")
+    K = x.shape[-1]
+    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(None, K), device=x.device)
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(x.dtype,), shape=(weight.shape[0],), device=x.device)
+    x2 = x.reshape(-1, K)
+    if backend is None:
+        backend = rows_linear_backend(x2.shape[0], x.device, x.dtype)
+    _, fn = resolve("rows_linear", backend, x.device)
+    return fn(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])

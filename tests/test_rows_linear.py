@@ -1,0 +1,126 @@
+"""Few-row linear kernel (``taps_kernels.rows_linear``): C++ against torch's linear on awkward shapes,
+the per-call backend choice, clear errors, and a whole HF model routed through it."""
+import pytest
+import torch
+from torch import nn
+
+import taps_kernels
+from taps_kernels import backend
+from taps_kernels.integrations.rows_linear import RowsLinear, restore_linear, use_rows_linear
+
+_WHY = backend.available_backends("rows_linear", torch.device("cpu"))["cpp"]
+needs_cpp = pytest.mark.skipif(bool(_WHY), reason=f"C++ backend unavailable: {_WHY}")
+
+# float32 tolerance of a length-K dot product summed in another order: |err| <= RTOL * sum|x_k w_k| (+ ATOL)
+RTOL, ATOL = 2e-6, 1e-6
+
+
+def _check_close(out, x, w, b):
+    ref = (x.double() @ w.double().T + (b.double() if b is not None else 0))
+    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
+    err = (out.double() - ref).abs()
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert bool((err <= RTOL * mag + ATOL).all()), f"max err {float(err.max()):.3e}"
+
+
+@needs_cpp
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 13, 32, 33, 70])
+@pytest.mark.parametrize("K,N", [(1, 1), (17, 5), (16, 64), (33, 65), (576, 130), (100, 257)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpp_matches_linear(M, K, N, with_bias):
+    g = torch.Generator().manual_seed(M * 1000 + K * 10 + N)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if with_bias else None
+    out = taps_kernels.rows_linear(x, w, b, backend="cpp")
+    _check_close(out, x, w, b)
+    _check_close(taps_kernels.rows_linear(x, w, b, backend="reference"), x, w, b)
+
+
+@needs_cpp
+def test_cpp_non_contiguous_inputs_and_leading_dims():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 2, 40, generator=g)[:, :, ::2]          # [3,2,20], strided
+    w = torch.randn(20, 9, generator=g).T                       # [9,20], transposed view
+    out = taps_kernels.rows_linear(x, w, backend="cpp")
+    assert out.shape == (3, 2, 9)
+    _check_close(out.reshape(6, 9), x.reshape(6, 20), w, None)
+
+
+def test_default_backend_choice():
+    cpu = torch.device("cpu")
+    vectorized = not _WHY and backend.load_extension("_C")[0].rows_linear_vectorized()
+    assert backend.rows_linear_backend(1, cpu, torch.float32) == ("cpp" if vectorized else "reference")
+    assert backend.rows_linear_backend(backend.ROWS_LINEAR_MAX_ROWS, cpu, torch.float32) == (
+        "cpp" if vectorized else "reference")
+    assert backend.rows_linear_backend(backend.ROWS_LINEAR_MAX_ROWS + 1, cpu, torch.float32) == "reference"
+    assert backend.rows_linear_backend(0, cpu, torch.float32) == "reference"
+    assert backend.rows_linear_backend(4, cpu, torch.bfloat16) == "reference"
+    assert backend.rows_linear_backend(4, torch.device("cuda"), torch.float32) == "reference"
+
+
+def test_bad_inputs_name_the_argument():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(\*, 8\), received \(4, 7\)"):
+        taps_kernels.rows_linear(x, torch.randn(4, 7))
+    with pytest.raises(TypeError, match="weight: expected dtype float32, received float64"):
+        taps_kernels.rows_linear(x, torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"bias: expected shape \(4,\), received \(5,\)"):
+        taps_kernels.rows_linear(x, torch.randn(4, 8), torch.randn(5))
+    with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
+        taps_kernels.rows_linear([1.0], torch.randn(4, 8))
+
+
+@needs_cpp
+def test_cpp_rejects_other_dtypes_by_name():
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="x: expected dtype float32, received bfloat16"):
+        taps_kernels.rows_linear(x, torch.randn(4, 8, dtype=torch.bfloat16), backend="cpp")
+
+
+def _tiny_llama(seed=0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_model_swap_keeps_outputs_and_weights():
+    model = _tiny_llama()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref_prefill = model(ids).logits
+        ref_step = model(ids[:, :5]).logits            # 5 rows: the few-row path after the swap
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    weights = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert use_rows_linear(model) == n_linear > 0
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights  # nothing copied
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref_prefill, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids[:, :5]).logits, ref_step, rtol=1e-5, atol=1e-5)
+    assert restore_linear(model) == n_linear
+    assert not any(type(m) is RowsLinear for m in model.modules())
+
+
+def test_model_swap_greedy_generate_identical():
+    model = _tiny_llama(1)
+    prompts = [torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 11, 26)]
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    ref = [model.generate(p, **kw) for p in prompts]
+    use_rows_linear(model)
+    for p, r in zip(prompts, ref):
+        assert torch.equal(model.generate(p, **kw), r)
+
+
+def test_gradients_still_flow_through_swapped_layers():
+    layer = nn.Linear(12, 5)
+    ref = nn.Linear(12, 5)
+    ref.load_state_dict(layer.state_dict())
+    use_rows_linear(layer)
+    assert type(layer) is RowsLinear
+    x = torch.randn(3, 12)
+    layer(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
