@@ -136,7 +136,11 @@ ROWS_LINEAR_MAX_ROWS = 32
 
 
 def rows_linear_backend(rows: int, device: torch.device, dtype: torch.dtype) -> str:
-    """Default backend of ``rows_linear`` for ``rows`` rows of ``dtype`` on ``device`` (reasons above)."""
+    """Default backend of ``rows_linear`` for ``rows`` rows of ``dtype`` on ``device`` (reasons above;
+    ``TAPS_BACKEND`` overrides it as for every op)."""
+    env = os.environ.get("TAPS_BACKEND")
+    if env in ("reference", "cpp") and not unavailable_reason(env, device):
+        return env
     if device.type != "cpu" or dtype != torch.float32 or not 1 <= rows <= ROWS_LINEAR_MAX_ROWS:
         return "reference"
     mod, _ = load_extension("_C")
