@@ -127,11 +127,12 @@ def resolve(op: str, backend: Optional[str], device: torch.device) -> Tuple[str,
 
 
 # Few-row linear layers (taps_kernels.rows_linear). Measured on the 2-core AVX-512 CPU of this project
-# (bench/bench_rows_linear.py, 1 thread): torch's linear runs BLAS sgemm, which from 2 rows on costs about
-# twice its 1-row sgemv although both only stream the weights (SmolLM2's LM head: 25 ms at 1 row, ~50 ms
-# at 2-8 rows); the C++ kernel streams each weight row once for all rows and stays near the 1-row cost up
-# to ~8 rows, ahead of BLAS up to 32. Past 32 rows (prefill) BLAS is the better kernel; without AVX-512
-# the C++ kernel is plain loops, slower than BLAS; on GPUs cuBLAS.
+# (bench/results/rows_linear_cpu.json, 1 thread): torch's linear runs BLAS sgemm, which from 2 rows on costs
+# about twice its 1-row sgemv although both only stream the weights (SmolLM2's LM head: 11.5 ms at 1 row,
+# 20-26 ms at 2-16); the C++ kernel streams each weight row once for all rows (8.7 ms at 1 row, 10-13 at
+# 2-8, 17 at 16), so a whole SmolLM2 forward over 4-8 new rows takes 81 ms instead of 105-114 (75 at 1 row).
+# At 32 rows it is still ~10% ahead; at 64 even, and prefill sizes are BLAS's. Without AVX-512 the C++
+# kernel is plain loops, slower than BLAS; on GPUs cuBLAS.
 ROWS_LINEAR_MAX_ROWS = 32
 
 
