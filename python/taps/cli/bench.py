@@ -125,6 +125,7 @@ def summarize(results: Dict[str, List[dict]]) -> Dict[str, dict]:
             "speedup": ar_spt / spt if spt == spt and spt > 0 else None,
             "nodes_per_round": sum(r.get("nodes", 0) for r in recs) / rounds if rounds else None,
             "rounds": rounds,
+            "drafted_frac": sum(r.get("drafted_rounds", 0) for r in recs) / rounds if rounds else None,
             "time_split_s": split,
             "time_split_frac": {k: v / total for k, v in split.items()} if total > 0 else {},
             "identical_to_ar": sum(1 for r in recs if r.get("identical_to_ar")),

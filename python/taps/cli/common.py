@@ -193,7 +193,7 @@ def run_item(decoder, tokenizer, item, max_new_tokens: int, seed: int = 0) -> Di
     """
     history: List[dict] = []
     out = {"id": item.id, "source": item.source, "turns": [], "new_tokens": 0, "seconds": 0.0, "rounds": 0,
-           "accept_lens": [], "nodes": 0, "time_split": {}}
+           "accept_lens": [], "nodes": 0, "drafted_rounds": 0, "time_split": {}}
     for k, text in enumerate(item.turns):
         ids = encode_prompt(tokenizer, text, raw=item.raw, history=history)
         res = decoder.generate(ids, max_new_tokens, seed=seed + k)
@@ -207,6 +207,7 @@ def run_item(decoder, tokenizer, item, max_new_tokens: int, seed: int = 0) -> Di
         out["rounds"] += st.num_rounds
         out["accept_lens"] += [r.accept_len for r in st.rounds]
         out["nodes"] += sum(r.nodes for r in st.rounds)
+        out["drafted_rounds"] += sum(r.drafted for r in st.rounds)
         for key, v in st.stage_totals().items():
             out["time_split"][key] = out["time_split"].get(key, 0.0) + v
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]

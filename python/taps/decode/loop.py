@@ -117,6 +117,7 @@ class SpeculativeDecoder:
             self.generator.manual_seed(int(seed) if seed is not None else torch.seed())
         self.stats = GenerationStats(prompt_len=len(prompt_ids))
         self.generated, self.stop_reason = [], None
+        self.policy.reset()
         t0 = time.perf_counter()
         logits, feats = self.verifier.prefill(torch.tensor([prompt_ids], dtype=torch.int64),
                                               capacity=len(prompt_ids) + self.max_new_tokens + 64)
@@ -166,9 +167,10 @@ class SpeculativeDecoder:
         bonus = torch.tensor([self.generated[-1]], dtype=torch.int64, device=self.device)
         # Nodes deeper than this could only produce tokens the limit truncates.
         depth_cap = self.max_new_tokens - len(self.generated) - 1
+        drafted = self.drafter is not None and depth_cap > 0 and self.policy.wants_draft()
         if self.drafter is None:
             tree, policy_times = self.policy.build(None, None, bonus)
-        elif depth_cap == 0:
+        elif not drafted:
             tree, policy_times = root_only_tree(bonus), {}
         else:
             with sw("draft"):
@@ -202,7 +204,7 @@ class SpeculativeDecoder:
                 self.drafter.append_context(self._state, self.verifier.features(hidden_states,
                                                                                  nodes.to(self.device)))
         kept = self._extend(committed)
-        r = RoundStats(accept_len=accept_len, nodes=n, committed=kept, times=sw.times)
+        r = RoundStats(accept_len=accept_len, nodes=n, committed=kept, times=sw.times, drafted=drafted)
         self.stats.rounds.append(r)
         return r
 

@@ -12,12 +12,14 @@ STAGES = ("draft", "pool", "scoring", "selection", "verify", "accept", "compacti
 @dataclass
 class RoundStats:
     """One round: ``accept_len`` (tau: tokens committed, root included), ``nodes`` verified (root included),
-    ``committed`` tokens kept after stop/limit truncation, ``times`` seconds per stage (keys from STAGES)."""
+    ``committed`` tokens kept after stop/limit truncation, ``times`` seconds per stage (keys from STAGES),
+    ``drafted`` whether the drafter ran (False for plain rounds: no drafter, a gated round, the last token)."""
 
     accept_len: int
     nodes: int
     committed: int
     times: Dict[str, float] = field(default_factory=dict)
+    drafted: bool = True
 
 
 @dataclass

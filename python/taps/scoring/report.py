@@ -51,7 +51,8 @@ def projected_tps(summary: dict, table: dict) -> Optional[float]:
 def policy_table(run: dict, projection: Optional[dict] = None) -> List[str]:
     pol = run["policies"]
     best = run.get("best_ddtree")
-    head = ("| policy | tau | nodes/round | tok/s (median) | speedup vs AR | selection overhead ms/round | "
+    head = ("| policy | tau | nodes/round | rounds drafted % | tok/s (median) | speedup vs AR | "
+            "selection overhead ms/round | "
             "draft ms/round (load probe) | "
             "time split % (prefill/draft/pool/score/select/verify/accept/compact/context) | identical to AR |")
     if projection:
@@ -63,8 +64,9 @@ def policy_table(run: dict, projection: Optional[dict] = None) -> List[str]:
         name = f"{spec} (oracle best DDTree)" if spec == best else spec
         # At temperature > 0 a different random stream gives different (equally valid) text.
         same = f"{s.get('identical_to_ar')}/{s.get('prompts')}" if run["temperature"] == 0 else "n/a (sampled)"
+        drafted = s.get("drafted_frac")
         row = (f"| {name} | {_fmt(s.get('tau'))} | {_fmt(s.get('nodes_per_round'), '.1f')} | "
-               f"{_fmt(s.get('tokens_per_s_median'))} | {_fmt(s.get('speedup'), '.2f')}x | "
+               f"{_fmt(None if drafted is None else 100 * drafted, '.0f')} | {_fmt(s.get('tokens_per_s_median'))} | {_fmt(s.get('speedup'), '.2f')}x | "
                f"{_fmt(s.get('selection_overhead_ms_per_round'), '.2f')} | "
                f"{_fmt((s.get('stage_ms_per_round') or {}).get('draft'), '.0f')} | {split} | "
                f"{same} |")

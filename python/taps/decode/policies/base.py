@@ -44,6 +44,13 @@ class TreePolicy:
     def bind(self, target_model, drafter, device: torch.device) -> None:
         """Hook called once before decoding; policies with learned parts load or move them here."""
 
+    def reset(self) -> None:
+        """Hook called by the decoder when a new generation starts (per-generation state goes here)."""
+
+    def wants_draft(self) -> bool:
+        """Whether the coming round runs the drafter; False makes the loop verify the root alone."""
+        return True
+
     def build(self, draft_logits: Optional[torch.Tensor], draft_hidden: Optional[torch.Tensor],
               bonus: torch.Tensor) -> Tuple[Tree, Dict[str, float]]:
         """Return the tree to verify and the seconds spent per stage.

@@ -2,8 +2,9 @@
 
 The DDTree pool of ``N`` nodes holds the top-``N`` prefixes by marginal product ``q(u)``; the policy keeps
 its top ``n*`` with ``n* = argmax_n (1 + sum_{i<=n} q_(i)) / (t0 + t_verify(n))`` from the same measured
-latency table (:mod:`taps.scoring.latency`) and the same overhead accounting as ``taps``. The marginal
-product underestimates acceptance (METHOD.md section 3), so this baseline tends to pick small trees.
+latency table (:mod:`taps.scoring.latency`), the same overhead accounting and the same draft gating
+(:mod:`.gate`) as ``taps``. The marginal product underestimates acceptance (METHOD.md section 3), so this
+baseline tends to pick small trees and to gate more often.
 """
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ import torch
 
 import taps_kernels
 
-from .base import Stopwatch, TreePolicy, parse_budget, register_policy
+from .base import Stopwatch, parse_budget, register_policy
+from .gate import GatedPolicy
 from .taps import DEFAULT_CAP, OverheadTracker
 
 
-class CostAwareDDTreePolicy(TreePolicy):
-    """``ddtree-cost[:N]``: throughput-optimal prefix of the DDTree of budget ``N`` (default 64)."""
+class CostAwareDDTreePolicy(GatedPolicy):
+    """``ddtree-cost[:N]``: throughput-optimal prefix of the DDTree of budget ``N`` (default 64), with the
+    same draft gating as ``taps`` on the marginal products' expected tokens (``gate=False``: none)."""
 
-    def __init__(self, max_nodes: int = DEFAULT_CAP, latency: Optional[dict] = None):
+    def __init__(self, max_nodes: int = DEFAULT_CAP, latency: Optional[dict] = None, gate: bool = True):
+        super().__init__(gate=gate)
         self.max_nodes = max_nodes
         self.latency = latency
         self.overhead = OverheadTracker()
@@ -34,6 +38,7 @@ class CostAwareDDTreePolicy(TreePolicy):
             self.latency = get_table(target_model, drafter, n_max=self.max_nodes)
         self._table = torch.tensor(self.latency["latency"][: self.max_nodes + 1], dtype=torch.float64)
         self._t0 = float(self.latency.get("t0", 0.0))
+        self._bind_gate(self.latency)
 
     def build(self, draft_logits, draft_hidden, bonus):
         if self._table is None:
@@ -44,8 +49,10 @@ class CostAwareDDTreePolicy(TreePolicy):
                                                top_k=min(self.max_nodes, draft_logits.shape[-1]),
                                                pool_size=self.max_nodes)
         with sw("selection"):
-            sel = taps_kernels.select_subtree(pool.tree, pool.logq, self.max_nodes, latency=self._table,
-                                              t0=self._t0 + self.overhead.get(), rule="reach")
+            t0 = self._t0 + self.overhead.get()
+            sel = taps_kernels.select_subtree(pool.tree, pool.logq, self.max_nodes, latency=self._table, t0=t0,
+                                              rule="reach")
+            self._judge(sel, pool.logq, t0)
         self.overhead.update(sum(sw.times.values()))
         return sel.tree, sw.times
 
@@ -53,3 +60,8 @@ class CostAwareDDTreePolicy(TreePolicy):
 @register_policy("ddtree-cost", "cost-aware DDTree: throughput rule on marginal products; ddtree-cost:N caps nodes")
 def _make(arg):
     return CostAwareDDTreePolicy(parse_budget("ddtree-cost", arg, DEFAULT_CAP))
+
+
+@register_policy("ddtree-cost-nogate", "cost-aware DDTree without draft gating (ablation); ddtree-cost-nogate:N")
+def _make_nogate(arg):
+    return CostAwareDDTreePolicy(parse_budget("ddtree-cost-nogate", arg, DEFAULT_CAP), gate=False)

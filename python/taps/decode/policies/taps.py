@@ -8,7 +8,9 @@ Triton kernel on a GPU, reference/C++ on CPU), then one of two selection rules:
   nodes by reach are prefix-closed; the size is ``n* = argmax_n (1 + sum_{i<=n} r_(i)) / (t0 + t_verify(n))``
   with ``t_verify`` the measured latency table of this machine and model (:mod:`taps.scoring.latency`)
   and ``t0`` its fixed per-round time plus this policy's own measured pool/score/select time; ``N`` caps
-  the nodes (default 64).
+  the nodes (default 64). With draft gating (:mod:`.gate`): after rounds whose best tree was predicted
+  to lose to a plain root-only round, the drafter is skipped for a backoff number of rounds.
+* ``taps-nogate[:N]``: the same throughput rule drafting every round (ablation of the gate).
 * ``taps-paper[:N]``: the published utility rule ``u(v) = r(v) / (lambda_node + lambda_depth * depth)``
   (1.0, 0.002), nodes taken in utility order with their ancestors until the cap ``N`` (default 64, as
   published), stopping at the first node with utility below ``min_utility``.
@@ -30,7 +32,8 @@ import torch
 
 import taps_kernels
 
-from .base import PolicyError, Stopwatch, TreePolicy, parse_budget, register_policy
+from .base import PolicyError, Stopwatch, parse_budget, register_policy
+from .gate import GatedPolicy
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_SCORER = REPO_ROOT / "checkpoints" / "smollm2-taps-scorer"
@@ -63,7 +66,7 @@ class OverheadTracker:
         return self.value or 0.0
 
 
-class TapsPolicy(TreePolicy):
+class TapsPolicy(GatedPolicy):
     """Scorer reach + throughput rule (``rule="reach"``) or published utility rule (``rule="utility"``).
 
     Args:
@@ -75,10 +78,14 @@ class TapsPolicy(TreePolicy):
         scorer: a scorer directory (default: :func:`scorer_dir`), or already loaded ScorerWeights.
         latency: optional latency table dict (``{"latency": [...], "t0": s}``); default: measured/cached
             for the bound target in :meth:`bind`.
+        gate: skip the drafter after rounds predicted to lose to plain decoding (:mod:`.gate`); throughput
+            rule only.
     """
 
     def __init__(self, max_nodes: int = DEFAULT_CAP, rule: str = "reach", pool_size: Optional[int] = None,
-                 tiny: bool = False, min_utility: float = DEFAULT_MIN_UTILITY, scorer=None, latency=None, top_k=None):
+                 tiny: bool = False, min_utility: float = DEFAULT_MIN_UTILITY, scorer=None, latency=None, top_k=None,
+                 gate: bool = True):
+        super().__init__(gate=gate and rule == "reach")
         self.max_nodes = max_nodes
         self.rule = rule
         self.pool_size = max(pool_size or int(os.environ.get("TAPS_POOL_SIZE", DEFAULT_POOL_SIZE)), max_nodes)
@@ -126,6 +133,8 @@ class TapsPolicy(TreePolicy):
         if self.latency is not None:
             self._table = torch.tensor(self.latency["latency"][: self.max_nodes + 1], dtype=torch.float64)
             self._t0 = float(self.latency.get("t0", 0.0))
+        if self.rule == "reach":
+            self._bind_gate(self.latency)
 
     def build(self, draft_logits, draft_hidden, bonus):
         if self.weights is None:
@@ -142,8 +151,10 @@ class TapsPolicy(TreePolicy):
             if self.rule == "fixed":
                 sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="reach")
             elif self.rule == "reach":
-                sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, latency=self._table,
-                                                  t0=self._t0 + self.overhead.get(), rule="reach")
+                t0 = self._t0 + self.overhead.get()
+                sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, latency=self._table, t0=t0,
+                                                  rule="reach")
+                self._judge(sel, log_reach, t0)
             else:
                 sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="utility",
                                                   lambda_node=LAMBDA_NODE, lambda_depth=LAMBDA_DEPTH,
@@ -152,9 +163,16 @@ class TapsPolicy(TreePolicy):
         return sel.tree, sw.times
 
 
-@register_policy("taps", "TAPS, throughput rule on scorer reach with the measured latency table; taps:N caps nodes")
+@register_policy("taps", "TAPS, throughput rule on scorer reach with the measured latency table and draft gating; "
+                         "taps:N caps nodes")
 def _make(arg):
     return TapsPolicy(parse_budget("taps", arg, DEFAULT_CAP), rule="reach")
+
+
+@register_policy("taps-nogate", "TAPS throughput rule without draft gating (drafts every round; ablation); "
+                                "taps-nogate:N")
+def _make_nogate(arg):
+    return TapsPolicy(parse_budget("taps-nogate", arg, DEFAULT_CAP), rule="reach", gate=False)
 
 
 @register_policy("taps-paper", "TAPS, published utility rule (lambda 1.0/0.002, node cap N, threshold); taps-paper:N")
