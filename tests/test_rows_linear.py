@@ -47,6 +47,15 @@ def test_cpp_non_contiguous_inputs_and_leading_dims():
     _check_close(out.reshape(6, 9), x.reshape(6, 20), w, None)
 
 
+@pytest.mark.parametrize("backend_name", ["reference", pytest.param("cpp", marks=needs_cpp)])
+def test_empty_inner_dimension_gives_the_bias(backend_name):
+    """K == 0: every output is the bias (or 0), as torch's linear gives."""
+    x, w, b = torch.randn(2, 3, 0), torch.randn(5, 0), torch.randn(5)
+    out = taps_kernels.rows_linear(x, w, b, backend=backend_name)
+    assert torch.equal(out, torch.nn.functional.linear(x, w, b))
+    assert torch.equal(taps_kernels.rows_linear(x, w, backend=backend_name), torch.zeros(2, 3, 5))
+
+
 def test_default_backend_choice():
     cpu = torch.device("cpu")
     vectorized = not _WHY and backend.load_extension("_C")[0].rows_linear_vectorized()

@@ -1,6 +1,7 @@
 """Few-row linear layer: the target's matmuls in an AR step (1 row) or a verify forward (a tree's rows)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -31,7 +32,8 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     check_tensor("weight", weight, dtypes=(x.dtype,), shape=(None, K), device=x.device)
     if bias is not None:
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(weight.shape[0],), device=x.device)
-    x2 = x.reshape(-1, K)
+    # an explicit row count: reshape(-1, 0) is ambiguous when K == 0
+    x2 = x.reshape(math.prod(x.shape[:-1]), K)
     if backend is None:
         backend = rows_linear_backend(x2.shape[0], x.device, x.dtype)
     _, fn = resolve("rows_linear", backend, x.device)
