@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from taps.scoring.report import check_targets, projected_tps, write_report
+from taps.scoring.report import check_targets, coverage, projected_tps, write_report
 
 
 def pol(tau, nodes, tps, same=2, prompts=2):
@@ -60,5 +60,12 @@ def test_write_report(tmp_path):
     b.write_text(json.dumps({"config": {"command": "taps bench-suite", "note": "SUBSET"}, "runs": [run(), run(1.0)]}))
     paths = write_report(str(b), tmp_path / "r.md", plot_prefix=str(tmp_path / "p"))
     text = (tmp_path / "r.md").read_text()
-    assert "SUBSET" in text and "ddtree:8 (oracle best DDTree)" in text and "n/a (sampled)" in text
+    assert "humaneval: SUBSET, 2 of 164 prompts" in text
+    assert "ddtree:8 (oracle best DDTree)" in text and "n/a (sampled)" in text
     assert len(paths) == 4 and all(p.exists() for p in paths)
+
+
+def test_coverage_labels_full_sets():
+    full = dict(run(), prompts=164)
+    assert coverage([full, run(1.0)]) == "humaneval: FULL SET, 164 of 164 prompts"
+    assert coverage([dict(run(), dataset="mtbench", prompts=80)]) == "mtbench: FULL SET, 80 of 80 prompts"

@@ -304,7 +304,7 @@ def _cmd_bench_suite(args):
                       "device": args.device, "threads": torch.get_num_threads(), "seed": args.seed,
                       "scorer": str(scorer_dir()),
                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "note": (f"SUBSET: first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
+                      "note": (f"first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
                                f"{args.max_new_tokens} new tokens per turn")},
            "runs": []}
     t_start = time.time()

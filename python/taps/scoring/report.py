@@ -187,6 +187,21 @@ def _plots(runs: List[dict], prefix: str) -> List[Path]:
     return paths
 
 
+#: Prompts in each evaluation set, to label a run as the full set or a subset.
+FULL_SIZES = {"humaneval": 164, "mtbench": 80}
+
+
+def coverage(runs: List[dict]) -> str:
+    """``"humaneval: FULL SET, 164 of 164 prompts; ..."`` over the greedy runs."""
+    parts = []
+    for run in runs:
+        if run["temperature"] == 0.0:
+            full = FULL_SIZES.get(run["dataset"])
+            kind = "FULL SET" if full is not None and run["prompts"] >= full else "SUBSET"
+            parts.append(f"{run['dataset']}: {kind}, {run['prompts']} of {full or '?'} prompts")
+    return "; ".join(parts)
+
+
 def merge_bench(paths) -> dict:
     """One bench dict from several ``bench-suite`` JSONs (e.g. one per dataset, run side by side): runs are
     concatenated, the config is the first file's with every command kept."""
@@ -195,8 +210,6 @@ def merge_bench(paths) -> dict:
     if len(datas) > 1:
         cfg["command"] = "\n".join(d["config"].get("command", "") for d in datas)
         cfg["wall_s"] = " + ".join(str(d["config"].get("wall_s")) for d in datas)
-        cfg["note"] = "; ".join(f"{d['config'].get('command', '').split('--datasets ')[-1].split()[0]}: "
-                                f"{d['config'].get('note', '')}" for d in datas)
     runs = [r for d in datas for r in d["runs"]]
     return {"config": cfg, "runs": runs}
 
@@ -209,8 +222,8 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
     cfg = data["config"]
     proj = json.loads(Path(projection).read_text()) if projection else None
     L = [f"# TAPS benchmark: {cfg.get('target')} on {cfg.get('device')} ({cfg.get('threads')} threads)", "",
-         f"**{cfg.get('note', '')}**", "",
-         f"Command (repeat with `--limit 164` / `--limit 80` for the full sets):", "", "```", cfg.get("command", ""),
+         f"**{coverage(data['runs'])}; {cfg.get('max_new_tokens')} new tokens per turn**", "",
+         "Commands:", "", "```", cfg.get("command", ""),
          "```", "",
          f"Drafter: `{cfg.get('drafter', {}).get('path')}` (sha256 `{cfg.get('drafter', {}).get('sha256')}`); "
          f"scorer: `{cfg.get('scorer')}`; max new tokens per turn {cfg.get('max_new_tokens')}; MT-Bench turns "
