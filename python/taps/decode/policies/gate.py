@@ -94,7 +94,7 @@ class GatedPolicy(TreePolicy):
         self._plain_s = float(self._gate_table[0]) + float(latency.get("t0_parts", {}).get("context", 0.0))
 
     def _judge(self, selection, log_reach: torch.Tensor, t0: float) -> None:
-        """Record whether the selected tree (``t0`` = this round's fixed seconds) beats a plain round."""
+        """Record the selected tree's expected rate over a plain round's (``t0``: this round's fixed seconds)."""
         if self.gate is None:
             return
         n = int(selection.num_selected[0])
