@@ -133,8 +133,7 @@ class TapsPolicy(GatedPolicy):
         if self.latency is not None:
             self._table = torch.tensor(self.latency["latency"][: self.max_nodes + 1], dtype=torch.float64)
             self._t0 = float(self.latency.get("t0", 0.0))
-        if self.rule == "reach":
-            self._bind_gate(self.latency)
+        self._bind_gate(self.latency)  # a no-op unless gating is on (throughput rule only)
 
     def build(self, draft_logits, draft_hidden, bonus):
         if self.weights is None:
