@@ -76,22 +76,23 @@ class DraftGate:
 class GatedPolicy(TreePolicy):
     """Base of the throughput-rule policies: a :class:`DraftGate` fed from their latency table.
 
-    Subclasses call :meth:`_bind_gate` from ``bind`` and :meth:`_judge` from ``build`` with the tree they
+    Subclasses keep the throughput rule's table in ``self._table`` (seconds for root + n nodes, n up to
+    their cap), call :meth:`_bind_gate` from ``bind`` and :meth:`_judge` from ``build`` with the tree they
     chose; ``gate=False`` drafts every round.
     """
+
+    _table: Optional[torch.Tensor] = None
 
     def __init__(self, gate: bool = True):
         self.use_gate = bool(gate)
         self.gate: Optional[DraftGate] = None
-        self._gate_table: Optional[torch.Tensor] = None
         self._plain_s = 0.0
 
     def _bind_gate(self, latency: dict) -> None:
         if not self.use_gate:
             return
         self.gate = DraftGate()
-        self._gate_table = torch.as_tensor(latency["latency"], dtype=torch.float64)
-        self._plain_s = float(self._gate_table[0]) + float(latency.get("t0_parts", {}).get("context", 0.0))
+        self._plain_s = float(latency["latency"][0]) + float(latency.get("t0_parts", {}).get("context", 0.0))
 
     def _judge(self, selection, log_reach: torch.Tensor, t0: float) -> None:
         """Record the selected tree's expected rate over a plain round's (``t0``: this round's fixed seconds)."""
@@ -100,7 +101,7 @@ class GatedPolicy(TreePolicy):
         n = int(selection.num_selected[0])
         kept = selection.pool_index[0, 1:1 + n]
         expected = 1.0 + float(log_reach[0, kept].exp().sum())
-        seconds = t0 + float(self._gate_table[min(n, self._gate_table.numel() - 1)])
+        seconds = t0 + float(self._table[n])
         self.gate.record(expected * self._plain_s / seconds)
 
     def reset(self) -> None:
