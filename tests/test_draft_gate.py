@@ -61,27 +61,37 @@ def test_bad_arguments_are_named(kwargs, name):
         DraftGate(**kwargs)
 
 
+def star(reaches):
+    """Pool of a root and ``len(reaches)`` depth-1 children with those reaches: ``(tree, log_reach)``."""
+    from taps_kernels import Tree
+
+    n = len(reaches)
+    tree = Tree(torch.arange(n + 1, dtype=torch.int64).view(1, -1), torch.tensor([[-1] + [0] * n], dtype=torch.int32),
+                torch.tensor([[0] + [1] * n], dtype=torch.int32), torch.tensor([n + 1], dtype=torch.int32))
+    return tree, torch.tensor([[0.0] + [math.log(r) for r in reaches]])
+
+
 def test_verdict_uses_the_latency_table():
-    """A tree wins iff expected tokens / (t0 + latency[n]) >= 1 / (latency[0] + context)."""
-    pol = make("taps", True, slope=0.01)  # latency[n] = 0.05 + 0.01 n, context 0.002
-    target, drafter = tiny_target(0), tiny_drafter(0)
-    pol.bind(target, drafter, torch.device("cpu"))
-    from taps_kernels import Selection, Tree
-
-    def verdict(reaches, t0):
-        n = len(reaches)
-        tree = Tree(torch.zeros(1, n + 1, dtype=torch.int64), torch.tensor([[-1] + [0] * n], dtype=torch.int32),
-                    torch.tensor([[0] + [1] * n], dtype=torch.int32), torch.tensor([n + 1], dtype=torch.int32))
-        sel = Selection(tree, torch.arange(n + 1).view(1, -1), torch.tensor([n], dtype=torch.int32))
-        log_reach = torch.tensor([[0.0] + [float(torch.tensor(r).log()) for r in reaches]])
+    """A tree wins iff expected tokens / (t0 + overhead + latency[n]) >= 1 / (latency[0] + context)."""
+    pol = make("taps", True, slope=0.01)  # latency[n] = 0.05 + 0.01 n, t0 0.022, context 0.002
+    pol.bind(tiny_target(0), tiny_drafter(0), torch.device("cpu"))
+    # plain round 0.052 s; both nodes are kept (reach > 0.01 / 0.052); the gate keeps smoothing x log(ratio)
+    for reaches, overhead in (([0.6, 0.5], 0.0), ([0.4, 0.3], 0.0), ([0.6, 0.5], 0.03)):
         pol.gate.reset()
-        pol._judge(sel, log_reach, t0)
-        return pol.gate.log_ratio
+        assert pol._throughput_tree(*star(reaches), overhead).num_nodes.item() == 3
+        ratio = (1 + sum(reaches)) * 0.052 / (0.022 + overhead + 0.07)
+        assert pol.gate.log_ratio == pytest.approx(pol.gate.smoothing * math.log(ratio), rel=1e-5)
 
-    # plain round 0.052 s; 2 nodes cost t0 + 0.07; the gate keeps smoothing x log(rate ratio)
-    for reaches, t0 in (([0.6, 0.5], 0.02), ([0.4, 0.3], 0.02), ([0.6, 0.5], 0.05)):
-        ratio = (1 + sum(reaches)) * 0.052 / (t0 + 0.07)
-        assert verdict(reaches, t0) == pytest.approx(pol.gate.smoothing * math.log(ratio), rel=1e-5)
+
+@pytest.mark.parametrize("slope, kept", [(0.001, [0, 1, 2, 3, 4]), (0.01, [0, 1, 2, 3]), (0.03, [0, 1]),
+                                         (0.1, [0])])
+def test_size_keeps_nodes_whose_reach_pays_for_their_verify_time(slope, kept):
+    """Long-run rule: node i is kept iff its reach >= (latency[i] - latency[i-1]) / plain round (0.05 + 0.002 s)."""
+    pol = make("ddtree-cost", False, slope=slope)
+    pol.bind(tiny_target(0), tiny_drafter(0), torch.device("cpu"))
+    reaches = [0.9, 0.45, 0.25, 0.02]  # thresholds 0.0192 (slope 0.001), 0.192 (0.01), 0.577 (0.03), 1.92 (0.1)
+    tree = pol._throughput_tree(*star(reaches), 0.0)
+    assert tree.tokens[0].tolist() == kept and tree.parents[0, 0].item() == -1
 
 
 class CountingDrafter:

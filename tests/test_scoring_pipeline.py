@@ -156,3 +156,26 @@ def test_replay_full_pool_tau_and_costs(traces, models):
     # cost per round of a fixed tree: t0 + overhead + latency[n]
     assert res["taps-fixed:3"]["tau"] / res["taps-fixed:3"]["tokens_per_s"] == pytest.approx(0.05 + 0.01 + 0.13)
     assert res["taps"]["nodes_per_round"] <= 9
+    # the oracle verifies exactly the accepted path: the full pool's tau at fewer nodes, and the best rate
+    assert res["oracle-path"]["tau"] == pytest.approx(res["ddtree:20"]["tau"])
+    assert res["oracle-path"]["nodes_per_round"] <= res["ddtree:20"]["nodes_per_round"]
+    best = max(v["tokens_per_s"] for k, v in res.items() if not k.startswith("oracle"))
+    assert res["oracle-path+skip"]["tokens_per_s"] >= max(res["oracle-path"]["tokens_per_s"], best) - 1e-9
+
+
+def test_best_mix_maximises_the_aggregate_rate():
+    """Dinkelbach's choice equals the brute-force optimum over every subset (small random cases)."""
+    import itertools
+
+    from taps.scoring.evaluate import _best_mix
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        R = 6
+        tok_a = torch.randint(1, 6, (R,), generator=g).double()
+        t_a = torch.rand(R, generator=g, dtype=torch.float64) + 0.2
+        tok_b, t_b = torch.ones(R, dtype=torch.float64), torch.full((R,), 0.4, dtype=torch.float64)
+        pick = _best_mix(tok_a, t_a, tok_b, t_b)
+        rate = lambda p: float(torch.where(p, tok_a, tok_b).sum() / torch.where(p, t_a, t_b).sum())  # noqa: E731
+        brute = max(rate(torch.tensor(bits, dtype=torch.bool)) for bits in itertools.product((0, 1), repeat=R))
+        assert rate(pick) == pytest.approx(brute)

@@ -182,6 +182,21 @@ def _chain_nodes(tree, rank) -> torch.Tensor:
     return on
 
 
+def _best_mix(tok_a, t_a, tok_b, t_b, iters: int = 50) -> torch.Tensor:
+    """Per item, option a or b (``[R]`` tokens and seconds each), chosen to maximise total tokens / total
+    seconds; returns ``[R] bool`` (True = a). Dinkelbach's iteration: at the current rate ``rho`` each item
+    independently takes the option with the larger ``tokens - rho * seconds``; the rate never decreases and
+    the choice is optimal once it stops changing."""
+    pick = torch.ones_like(tok_a, dtype=torch.bool)
+    for _ in range(iters):
+        rho = (torch.where(pick, tok_a, tok_b).sum() / torch.where(pick, t_a, t_b).sum())
+        new = tok_a - rho * t_a >= tok_b - rho * t_b
+        if torch.equal(new, pick):
+            break
+        pick = new
+    return pick
+
+
 @torch.no_grad()
 def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerWeights],
                       token_embeddings: Optional[torch.Tensor], table: dict, overhead_s: Dict[str, float],
@@ -194,9 +209,18 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
     accepted nodes of the pool form one root path and every selection is prefix-closed) and costs
     ``t0 + overhead_s[P] + latency[n]`` (``n`` selected non-root nodes; AR: ``latency[0]``, no draft).
     DFlash verifies its 15-node argmax chain; nodes of the chain missing from the pool count as rejected,
-    so its tau here is a lower bound. Returns ``{policy: {"tau", "nodes", "tokens_per_s", "speedup"}}``.
+    so its tau here is a lower bound. ``taps`` and ``ddtree-cost`` size their trees with the policies'
+    throughput rule (:func:`taps.decode.policies.gate.throughput_size`) and draft every round (the replay
+    has no notion of skipped rounds, so the gate is not replayed).
+
+    Two oracle rows bound what any tree policy over this drafter's pool could reach on these rounds:
+    ``oracle-path`` verifies exactly the accepted pool path (``a`` nodes) at ``t0 + latency[a]``, with no
+    selection overhead; ``oracle-path+skip`` also chooses, per round, between that and a plain round
+    (one token at ``latency[0]``, no draft) so as to maximise the aggregate rate (:func:`_best_mix`).
+    Returns ``{policy: {"tau", "nodes", "tokens_per_s", "speedup"}}``.
     """
     import taps_kernels as tk
+    from taps.decode.policies.gate import throughput_size
 
     lat = torch.tensor(table["latency"], dtype=torch.float64)
     t0 = float(table.get("t0", 0.0))
@@ -218,6 +242,8 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
         a[3] += int(tau.numel())
 
     lat_t = lat[:cap + 1].clone()
+    plain_s = float(lat[0]) + float(table.get("t0_parts", {}).get("context", 0.0))
+    accepted = []
     for i in range(0, R, batch):
         rows = torch.arange(i, min(R, i + batch))
         pool = pool_from_traces(traces, rows)
@@ -227,6 +253,9 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
         chain = _chain_nodes(pool.tree, pool.rank) & (pool.tree.parents >= 0)
         n_chain = torch.full((B,), D, dtype=torch.long)
         add("dflash", 1 + (acc & chain).sum(1).float(), n_chain + 1, cost(n_chain, "dflash"))
+        n_acc = (acc & (pool.tree.parents >= 0)).sum(1)
+        accepted.append(n_acc)
+        add("oracle-path", 1 + n_acc.float(), n_acc + 1, t0 + lat[n_acc.clamp(max=L - 1)])
         reaches = {"marginal": pool.logq}
         if weights is not None:
             hid = traces["hidden"][rows].float() if weights.full else None
@@ -240,16 +269,28 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
             n = sel.num_selected.long()
             add(name, tau, n + 1, cost(n, key))
 
+        def run_throughput(name, lr, key):
+            # the policies' rule (taps.decode.policies.gate); its top-n* by reach is prefix-closed
+            n, _ = throughput_size(lr, lat_t, plain_s)
+            order = torch.sort(lr[:, 1:], dim=1, descending=True, stable=True).indices + 1
+            hits = acc.gather(1, order).cumsum(1)
+            tau = 1 + torch.where(n > 0, hits.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0], 0).float()
+            add(name, tau, n + 1, cost(n, key))
+
         for b in budgets:
             run(f"ddtree:{b}", reaches["marginal"], "ddtree", max_nodes=min(b, N - 1))
-        run("ddtree-cost", reaches["marginal"], "ddtree", max_nodes=cap, latency=lat_t,
-            t0=t0 + overhead_s.get("ddtree", 0.0))
+        run_throughput("ddtree-cost", reaches["marginal"], "ddtree")
         if "scorer" in reaches:
             r = reaches["scorer"]
-            run("taps", r, "taps", max_nodes=cap, latency=lat_t, t0=t0 + overhead_s.get("taps", 0.0))
+            run_throughput("taps", r, "taps")
             run("taps-paper", r, "taps", max_nodes=cap, rule="utility", min_utility=min_utility)
             for b in fixed_budgets:
                 run(f"taps-fixed:{b}", r, "taps", max_nodes=b)
+    n_acc = torch.cat(accepted)
+    t_path = t0 + lat[n_acc.clamp(max=L - 1)]
+    draft = _best_mix(1 + n_acc.double(), t_path, torch.ones_like(t_path), lat[0].expand_as(t_path))
+    add("oracle-path+skip", torch.where(draft, 1 + n_acc.double(), 1.0), torch.where(draft, n_acc + 1, 1),
+        torch.where(draft, t_path, lat[0]))
     out = {}
     ar_tps = agg["ar"][0] / agg["ar"][2]
     for k, (tau, nodes, secs, rounds) in agg.items():

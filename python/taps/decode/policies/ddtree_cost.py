@@ -1,16 +1,14 @@
 """Cost-aware DDTree: the throughput rule of ``taps`` on the drafter's marginal products.
 
 The DDTree pool of ``N`` nodes holds the top-``N`` prefixes by marginal product ``q(u)``; the policy keeps
-its top ``n*`` with ``n* = argmax_n (1 + sum_{i<=n} q_(i)) / (t0 + t_verify(n))`` from the same measured
-latency table (:mod:`taps.scoring.latency`), the same overhead accounting and the same draft gating
-(:mod:`.gate`) as ``taps``. The marginal product underestimates acceptance (METHOD.md section 3), so this
+its top ``n*`` by the same throughput rule as ``taps`` (:class:`.gate.GatedPolicy`), from the same measured
+latency table (:mod:`taps.scoring.latency`), with the same overhead accounting and the same draft gating. The marginal product underestimates acceptance (METHOD.md section 3), so this
 baseline tends to pick small trees and to gate more often.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-import torch
 
 import taps_kernels
 
@@ -28,17 +26,13 @@ class CostAwareDDTreePolicy(GatedPolicy):
         self.max_nodes = max_nodes
         self.latency = latency
         self.overhead = OverheadTracker()
-        self._table = None
-        self._t0 = 0.0
 
     def bind(self, target_model, drafter, device) -> None:
         if self.latency is None:
             from taps.scoring.latency import get_table
 
             self.latency = get_table(target_model, drafter, n_max=self.max_nodes)
-        self._table = torch.tensor(self.latency["latency"][: self.max_nodes + 1], dtype=torch.float64)
-        self._t0 = float(self.latency.get("t0", 0.0))
-        self._bind_gate(self.latency)
+        self._bind_throughput(self.latency, self.max_nodes)
 
     def build(self, draft_logits, draft_hidden, bonus):
         if self._table is None:
@@ -49,12 +43,9 @@ class CostAwareDDTreePolicy(GatedPolicy):
                                                top_k=min(self.max_nodes, draft_logits.shape[-1]),
                                                pool_size=self.max_nodes)
         with sw("selection"):
-            t0 = self._t0 + self.overhead.get()
-            sel = taps_kernels.select_subtree(pool.tree, pool.logq, self.max_nodes, latency=self._table, t0=t0,
-                                              rule="reach")
-            self._judge(sel, pool.logq, t0)
+            tree = self._throughput_tree(pool.tree, pool.logq, self.overhead.get())
         self.overhead.update(sum(sw.times.values()))
-        return sel.tree, sw.times
+        return tree, sw.times
 
 
 @register_policy("ddtree-cost", "cost-aware DDTree: throughput rule on marginal products; ddtree-cost:N caps nodes")

@@ -5,11 +5,13 @@ path-conditioned reach from the learned scorer through :func:`taps_kernels.score
 Triton kernel on a GPU, reference/C++ on CPU), then one of two selection rules:
 
 * ``taps[:N]`` (default TAPS): the throughput rule. Because reach never grows along a path, the top-``n``
-  nodes by reach are prefix-closed; the size is ``n* = argmax_n (1 + sum_{i<=n} r_(i)) / (t0 + t_verify(n))``
-  with ``t_verify`` the measured latency table of this machine and model (:mod:`taps.scoring.latency`)
-  and ``t0`` its fixed per-round time plus this policy's own measured pool/score/select time; ``N`` caps
-  the nodes (default 64). With draft gating (:mod:`.gate`): after rounds whose best tree was predicted
-  to lose to a plain root-only round, the drafter is skipped for a backoff number of rounds.
+  nodes by reach are prefix-closed; the size ``n*`` maximises long-run expected tokens per second with
+  the measured latency table of this machine and model (:mod:`taps.scoring.latency`): a node is kept
+  while its reach exceeds the plain-decoding tokens its verify time would have bought (the rule and why
+  not the per-round ratio: :class:`.gate.GatedPolicy`); ``N`` caps the nodes (default 64). With draft
+  gating (:mod:`.gate`): after rounds whose best tree was predicted to lose to a plain root-only round
+  (fixed round time plus this policy's own measured pool/score/select time), the drafter is skipped for
+  a backoff number of rounds.
 * ``taps-nogate[:N]``: the same throughput rule drafting every round (ablation of the gate).
 * ``taps-paper[:N]``: the published utility rule ``u(v) = r(v) / (lambda_node + lambda_depth * depth)``
   (1.0, 0.002), nodes taken in utility order with their ancestors until the cap ``N`` (default 64, as
@@ -129,11 +131,8 @@ class TapsPolicy(GatedPolicy):
             from taps.scoring.latency import get_table
 
             self.latency = get_table(target_model, drafter, n_max=self.max_nodes)
-        self._table = None
-        if self.latency is not None:
-            self._table = torch.tensor(self.latency["latency"][: self.max_nodes + 1], dtype=torch.float64)
-            self._t0 = float(self.latency.get("t0", 0.0))
-        self._bind_gate(self.latency)  # a no-op unless gating is on (throughput rule only)
+        if self.rule == "reach":
+            self._bind_throughput(self.latency, self.max_nodes)
 
     def build(self, draft_logits, draft_hidden, bonus):
         if self.weights is None:
@@ -148,18 +147,15 @@ class TapsPolicy(GatedPolicy):
             _, _, log_reach = taps_kernels.score_edges(pool, self.weights, self.emb if self.weights.full else None, hid)
         with sw("selection"):
             if self.rule == "fixed":
-                sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="reach")
+                tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="reach").tree
             elif self.rule == "reach":
-                t0 = self._t0 + self.overhead.get()
-                sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, latency=self._table, t0=t0,
-                                                  rule="reach")
-                self._judge(sel, log_reach, t0)
+                tree = self._throughput_tree(pool.tree, log_reach, self.overhead.get())
             else:
-                sel = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="utility",
-                                                  lambda_node=LAMBDA_NODE, lambda_depth=LAMBDA_DEPTH,
-                                                  min_utility=self.min_utility)
+                tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="utility",
+                                                   lambda_node=LAMBDA_NODE, lambda_depth=LAMBDA_DEPTH,
+                                                   min_utility=self.min_utility).tree
         self.overhead.update(sum(sw.times.values()))
-        return sel.tree, sw.times
+        return tree, sw.times
 
 
 @register_policy("taps", "TAPS, throughput rule on scorer reach with the measured latency table and draft gating; "
