@@ -9,7 +9,7 @@ Tree attention (32 query heads / 8 KV heads, head dim 128, prefix x tree size gr
   * ``sdpa_causal`` SDPA with a lower-right causal mask: N ordinary causal queries over the same
                     prefix (chunked prefill), the cost a tree of N nodes is compared against.
 Top-K statistics (15 draft positions): ``triton``, ``reference``, and ``torch.topk`` alone.
-Edge scoring (full 111->64 scorer, E = H = 2560): ``triton`` and ``reference``.
+Edge scoring (full 111->64 scorer, E = H = 2560): ``triton``, ``reference``, and ``cpp`` on CPU.
 
 GPU: CUDA events, median of many runs. CPU: wall clock, median, reduced grid, and only the
 PyTorch paths: the Triton interpreter is a correctness tool, not a speed path.
@@ -185,6 +185,10 @@ def bench_score(device, sizes, embed_dim, warmup, iters, rows):
             impls = {"reference": lambda: score_edges_reference(pool, w, emb, hidden)}
             if triton_ops is not None:
                 impls["triton"] = lambda: triton_ops["score_edges"](pool, w, emb, hidden)
+            bk = taps_kernels.backend
+            if device.type == "cpu" and bk.has_impl("score_edges", "cpp") and not bk.unavailable_reason("cpp", device):
+                cpp = taps_kernels.backend.resolve("score_edges", "cpp", device)[1]
+                impls["cpp"] = lambda: cpp(pool, w, emb, hidden)
             for name, fn in impls.items():
                 ms = time_ms(fn, device, warmup, iters)
                 rows.append({"kernel": f"score_edges_{variant}", "impl": name, "nodes": N, "embed_dim": embed_dim,

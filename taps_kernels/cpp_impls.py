@@ -1,8 +1,12 @@
 """Registers the C++ CPU backend (``taps_kernels._C``) of every tree op with :mod:`taps_kernels.backend`.
 
 Each function takes exactly the arguments of its reference in :mod:`taps_kernels.reference` and
-returns the same tensors (same shapes, dtypes, node order; bit-identical values). Importing this module
-raises ImportError when the extension is missing or cannot load, which leaves the backend unregistered.
+returns the same tensors (same shapes, dtypes, node order). The tree and index ops are exact:
+bit-identical floats, equal integers. ``score_edges`` with a scorer matches its reference within a
+float32 tolerance only (its projections and MLP sum in a different order from torch's matmuls; the
+tolerance is in tests/test_cpp_score_edges.py), with the same -inf pattern and the same root values.
+Importing this module raises ImportError when the extension is missing or cannot load, which leaves
+the backend unregistered.
 """
 from __future__ import annotations
 
@@ -67,6 +71,21 @@ def compact_kv_cpp(keys: List[torch.Tensor], values: List[torch.Tensor], prefix_
                    path: torch.Tensor) -> torch.Tensor:
     """In place on every ``[B,H,L,Dh]`` cache tensor; -> ``new_lens [B] int64``. Checks the path before any write."""
     return _C.compact_kv(list(keys), list(values), prefix_lens, path)
+
+
+@register("score_edges", "cpp")
+def score_edges_cpp(pool, weights, token_embeddings: Optional[torch.Tensor] = None,
+                    drafter_hidden: Optional[torch.Tensor] = None):
+    """``pool`` (:class:`taps_kernels.CandidatePool`: tree ``[B,N]``, ``logq``/``step_logq [B,N] f32``,
+    ``entropy``/``margin``/``topk_mass [B,D] f32``), ``weights`` (:class:`taps_kernels.ScorerWeights`, full or
+    tiny, any float dtype, used as float32; or None for the marginal model), ``token_embeddings [V,E]`` f32/f16/bf16
+    (only the pool's rows are read), ``drafter_hidden [B,D,H]`` float (both full scorer only) ->
+    ``(edge_logq, other_logq, log_reach)``, each ``[B,N] f32``."""
+    tree = pool.tree
+    tensors = None if weights is None else {k: t.float() for k, t in weights.tensors().items()}
+    eps = 1e-5 if weights is None else float(weights.ln_eps)
+    return tuple(_C.score_edges(tree.tokens, tree.parents, tree.depth, pool.logq, pool.step_logq, pool.entropy,
+                                pool.margin, pool.topk_mass, tensors, eps, token_embeddings, drafter_hidden))
 
 
 @register("rows_linear", "cpp")
