@@ -65,7 +65,12 @@ def _trace_meta(trace_dirs):
     return metas
 
 
-def _readme(name, cmd, meta, ev, hist, params, tiny):
+def _count_prompts(*splits) -> int:
+    """Distinct traced prompts: a prompt index is per trace directory (``source``)."""
+    return len({(int(s), int(i)) for sp in splits for s, i in zip(sp["source"].tolist(), sp["prompt_index"].tolist())})
+
+
+def _readme(name, cmd, meta, ev, hist, params, tiny, traces_doc=False):
     s, m = ev.get("scorer", {}), ev.get("marginal", {})
     budgets = list(s.get("offline_tau", {}).keys())
     lines = [f"# {name}", "",
@@ -94,6 +99,8 @@ def _readme(name, cmd, meta, ev, hist, params, tiny):
         lines.append(f"| offline tau at {b} nodes (top-{b} by reach vs DDTree-{b}) | {s['offline_tau'][b]:.3f} | "
                      f"{m['offline_tau'][b]:.3f} |")
     lines += ["", f"Held-out set: {ev.get('rounds')} rounds, {ev.get('nodes')} pool nodes. Full metrics: `metrics.json`.", ""]
+    if traces_doc:
+        lines += ["How the traces were made (commands, prompt lists, data size against held-out tau): `TRACES.md`.", ""]
     return "\n".join(lines)
 
 
@@ -124,7 +131,7 @@ def _cmd_train(args):
         meta = {"target": m0.get("target"), "drafter": m0.get("drafter"), "pool_size": m0.get("pool_size"),
                 "top_k": m0.get("top_k"), "train_rounds": int(train["tokens"].shape[0]),
                 "val_rounds": int(val["tokens"].shape[0]),
-                "trace_prompts": len(set(train["prompt_index"].tolist()) | set(val["prompt_index"].tolist())),
+                "trace_prompts": _count_prompts(train, val),
                 "trace_dirs": list(args.traces),
                 "lr": args.lr, "epochs": args.epochs, "target_dist": args.target_dist, "seed": args.seed,
                 "command": cmd, "best_epoch": hist["best_epoch"], "train_seconds": hist["seconds"],
@@ -133,7 +140,8 @@ def _cmd_train(args):
         params = count_parameters(model)
         meta["parameters"] = params
         name = Path(out).name
-        save_scorer(out, model, meta=meta, readme=_readme(name, cmd, meta, ev, hist, params, tiny))
+        readme = _readme(name, cmd, meta, ev, hist, params, tiny, traces_doc=(Path(out) / "TRACES.md").is_file())
+        save_scorer(out, model, meta=meta, readme=readme)
         (Path(out) / "metrics.json").write_text(json.dumps({"eval": ev, "history": hist}, indent=1) + "\n")
         results[label] = {"dir": str(out), "ece": ev["scorer"]["ece"], "ece_marginal": ev["marginal"]["ece"]}
     print(json.dumps(results, indent=1))
