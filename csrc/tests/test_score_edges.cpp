@@ -8,20 +8,11 @@
 #include <random>
 #include <vector>
 
+#include "check.h"
 #include "rows_linear.h"
 #include "score_edges.h"
 
 namespace {
-
-int g_failures = 0;
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                                 \
-    }                                                                               \
-  } while (0)
 
 const float kNegInf = -std::numeric_limits<float>::infinity();
 

@@ -11,19 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "tree_ops.h"
 
 namespace {
-
-int g_failures = 0;
-
-#define CHECK(cond)                                                          \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                          \
-    }                                                                        \
-  } while (0)
 
 #define CHECK_EQ(a, b)                                                                        \
   do {                                                                                        \
