@@ -28,7 +28,7 @@ import torch
 import taps_kernels
 from taps_kernels import Tree
 
-from .base import TreePolicy
+from .base import TreePolicy, root_only_tree
 
 #: Longest run of plain rounds between two probes.
 DEFAULT_MAX_SKIP = 16
@@ -137,7 +137,7 @@ class GatedPolicy(TreePolicy):
             expected = 1.0 + float(top[0, :n].sum())
             self.gate.record(expected * self._plain_s / (self._t0 + overhead_s + float(self._table[n])))
         if n == 0:
-            return Tree(tree.tokens[:, :1], tree.parents[:, :1], tree.depth[:, :1], torch.ones_like(tree.num_nodes))
+            return root_only_tree(tree.tokens[:, 0])
         return taps_kernels.select_subtree(tree, log_reach, n, rule="reach").tree
 
     def reset(self) -> None:
