@@ -220,7 +220,7 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
     Returns ``{policy: {"tau", "nodes", "tokens_per_s", "speedup"}}``.
     """
     import taps_kernels as tk
-    from taps.decode.policies.gate import throughput_size
+    from taps.decode.policies.gate import plain_round_seconds, throughput_size
 
     lat = torch.tensor(table["latency"], dtype=torch.float64)
     t0 = float(table.get("t0", 0.0))
@@ -242,7 +242,7 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
         a[3] += int(tau.numel())
 
     lat_t = lat[:cap + 1].clone()
-    plain_s = float(lat[0]) + float(table.get("t0_parts", {}).get("context", 0.0))
+    plain_s = plain_round_seconds(table)
     accepted = []
     for i in range(0, R, batch):
         rows = torch.arange(i, min(R, i + batch))

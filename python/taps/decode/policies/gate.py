@@ -77,6 +77,11 @@ class DraftGate:
             self.backoff = min(2 * self.backoff, self.max_skip)
 
 
+def plain_round_seconds(latency: dict) -> float:
+    """Seconds of a plain (root-only, undrafted) round: the 1-node verify plus the drafter's context update."""
+    return float(latency["latency"][0]) + float(latency.get("t0_parts", {}).get("context", 0.0))
+
+
 def throughput_size(log_reach: torch.Tensor, latency: torch.Tensor, plain_s: float):
     """The throughput rule's tree size per row (definition and why: :class:`GatedPolicy`).
 
@@ -126,7 +131,7 @@ class GatedPolicy(TreePolicy):
         """Keep the table (seconds for root + n nodes, ``n <= max_nodes``), the fixed and the plain-round time."""
         self._table = torch.tensor(latency["latency"][: max_nodes + 1], dtype=torch.float64)
         self._t0 = float(latency.get("t0", 0.0))
-        self._plain_s = float(latency["latency"][0]) + float(latency.get("t0_parts", {}).get("context", 0.0))
+        self._plain_s = plain_round_seconds(latency)
         self.gate = DraftGate() if self.use_gate else None
 
     def _throughput_tree(self, tree: Tree, log_reach: torch.Tensor, overhead_s: float) -> Tree:
