@@ -9,12 +9,14 @@ machine noise hits every policy alike.
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .common import (add_model_flags, drafter_dir_cli, add_sampling_flags, hf_generate_item, load_drafter_cli, load_target_cli,
+from .common import (CLIError, add_model_flags, positive_int, drafter_dir_cli, add_sampling_flags, hf_generate_item, load_drafter_cli, load_target_cli,
                      parse_policies, quiet_warnings, run_item, sampling_from_args, setup_torch, stop_token_ids)
 
 
@@ -35,11 +37,16 @@ def add_subcommand(sub) -> None:
     p.set_defaults(func=run)
 
 
+BUDGETS = (4, 8, 16, 32, 64, 128)
+
+
+def _cmdline() -> str:
+    return "taps " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
 def build_decoders(model, tok, drafter, specs: List[str], sampling):
     from taps.decode import SpeculativeDecoder
     from taps.decode.policies import make_policy
-
-    from .common import CLIError
 
     stops = stop_token_ids(tok, model)
     decoders = {}
@@ -203,3 +210,178 @@ def run(args) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"config": meta, "policies": summary}, f, indent=1)
     return 0
+
+
+# --- bench-suite ----------------------------------------------------------------------------------------------------
+
+def _hist(values):
+    h = {}
+    for v in values:
+        h[str(v)] = h.get(str(v), 0) + 1
+    return dict(sorted(h.items(), key=lambda kv: int(kv[0])))
+
+
+def _summarize(results):
+    summary = summarize(results)
+    for spec, recs in results.items():
+        s = summary[spec]
+        s["accept_len_hist"] = _hist([a for r in recs for a in r.get("accept_lens", [])])
+        rounds = max(s["rounds"], 1)
+        sp = s["time_split_s"]
+        s["selection_overhead_ms_per_round"] = 1000 * sum(sp.get(k, 0.0) for k in ("pool", "scoring", "selection")) / rounds
+        s["stage_ms_per_round"] = {k: 1000 * v / rounds for k, v in sp.items() if k != "prefill"}
+        s["per_prompt"] = [{"id": r["id"], "new_tokens": r["new_tokens"], "seconds": r["seconds"], "tau": r.get("tau"),
+                            "identical_to_ar": r["identical_to_ar"]} for r in recs]
+    return summary
+
+
+def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log, on_partial=None,
+               hf_baseline=False):
+    """Run ``items`` x ``specs``; after every prompt (all policies) ``on_partial(summary, prompts_done)`` is
+    called, so a run cut short still leaves a valid JSON of the prompts completed. ``hf_baseline``: also
+    time HF ``generate`` on every prompt (policy ``"hf"``)."""
+    
+    decoders = build_decoders(model, tok, drafter, specs, sampling)
+    partial = {s: [] for s in specs + (["hf"] if hf_baseline else [])}
+
+    def show(rec):
+        tau = f"tau {rec['tau']:.2f}" if "tau" in rec else "        "
+        log(f"  {rec['id']:<22} {rec['policy']:<14} {rec['new_tokens']:>4} tok  {tau}  "
+            f"{rec['tokens_per_s']:6.2f} tok/s  "
+            f"{ {True: '=AR', False: 'DIFFERS', None: '(sampled)'}[rec['identical_to_ar']] }")
+        partial[rec["policy"]].append(rec)
+        done = min(len(v) for v in partial.values())
+        if on_partial is not None and all(len(v) == done for v in partial.values()):
+            on_partial(_summarize(partial), done)
+
+    # AR first (the lossless check compares against it), then the other policies in an order rotated by one
+    # per prompt: on a shared machine the load drifts within a prompt, and a fixed order would always hand
+    # the same policies the slow minutes.
+    others = [s for s in specs if s != "ar"]
+    results = {s: [] for s in partial}
+    for i, item in enumerate(items):
+        k = i % max(len(others), 1)
+        order = (["ar"] if "ar" in decoders else []) + others[k:] + others[:k]
+        res = run_suite(model, tok, {s: decoders[s] for s in order}, [item], max_new_tokens, seed=seed,
+                        warmup=warmup if i == 0 else 0, hf_baseline=hf_baseline, on_record=show)
+        for s, recs in res.items():
+            results[s] += recs
+    return _summarize(results)
+
+
+def _best_ddtree(summary):
+    dd = {k: v for k, v in summary.items() if k.startswith("ddtree:")}
+    if not dd:
+        return None
+    return max(dd, key=lambda k: dd[k]["tokens_per_s_median"])
+
+
+def _cmd_bench_suite(args):
+    import torch
+
+    from taps.data import PromptItem, load_humaneval, load_mtbench
+    from taps.decode import SamplingConfig
+
+    from .common import load_drafter_cli, load_target_cli, parse_policies, quiet_warnings, setup_torch
+
+    quiet_warnings()
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    specs = ["ar", "dflash"] + [f"ddtree:{b}" for b in budgets] + parse_policies(args.policies)
+    specs = list(dict.fromkeys(specs))
+    parse_policies(",".join(specs))
+    setup_torch(args)
+    model, tok = load_target_cli(args)
+    drafter = load_drafter_cli(args, model)
+    from taps.decode.policies.taps import scorer_dir
+    from taps.scoring.traces import drafter_identity
+
+    from .common import _resolve_drafter_dir
+
+    datasets = {}
+    for name in args.datasets.split(","):
+        name = name.strip()
+        if name == "humaneval":
+            datasets[name] = load_humaneval(args.limit)
+        elif name == "mtbench":
+            items = load_mtbench(args.limit)
+            datasets[name] = items if args.turns == 2 else [PromptItem(i.id, i.source, i.turns[:1]) for i in items]
+        else:
+            raise CLIError(f"--datasets: expected humaneval and/or mtbench, received {name!r}")
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    out = {"config": {"command": _cmdline(), "target": args.target, "drafter": drafter_identity(_resolve_drafter_dir(args.drafter)),
+                      "limit_per_dataset": args.limit, "mtbench_turns": args.turns,
+                      "max_new_tokens": args.max_new_tokens, "budgets": budgets, "policies": specs,
+                      "device": args.device, "threads": torch.get_num_threads(), "seed": args.seed,
+                      "scorer": str(scorer_dir()),
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "note": (f"first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
+                               f"{args.max_new_tokens} new tokens per turn")},
+           "runs": []}
+    t_start = time.time()
+    for ds, items in datasets.items():
+        log(f"== {ds}: {len(items)} prompts, greedy, {len(specs)} policies")
+        run = {"dataset": ds, "temperature": 0.0, "prompts": 0, "policies": {}, "best_ddtree": None, "partial": True}
+        out["runs"].append(run)
+
+        def partial(summ, done, run=run):
+            run.update(prompts=done, policies=summ, best_ddtree=_best_ddtree(summ))
+            _save(out, args.out)
+
+        summ = _run_block(model, tok, drafter, specs, items, SamplingConfig(), args.max_new_tokens, args.seed,
+                          args.warmup, log, on_partial=partial, hf_baseline=args.hf_baseline)
+        run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
+        _save(out, args.out)
+    if args.t1_policies:
+        t1 = [s.strip() for s in args.t1_policies.split(",") if s.strip()]
+        for run in [r for r in out["runs"] if r["temperature"] == 0.0 and r["policies"]]:
+            best = run["best_ddtree"]
+            chosen = [best if s == "ddtree-best" else s for s in t1]
+            specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
+            items = datasets[run["dataset"]][: args.t1_limit]
+            log(f"== {run['dataset']}: {len(items)} prompts, temperature 1, policies {specs1}")
+            run1 = {"dataset": run["dataset"], "temperature": 1.0, "prompts": 0, "policies": {}, "best_ddtree": None,
+                    "partial": True}
+            out["runs"].append(run1)
+
+            def partial1(summ, done, run1=run1):
+                run1.update(prompts=done, policies=summ, best_ddtree=_best_ddtree(summ))
+                _save(out, args.out)
+
+            summ = _run_block(model, tok, drafter, specs1, items, SamplingConfig(temperature=1.0), args.max_new_tokens,
+                              args.seed, 0, log, on_partial=partial1)
+            run1.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
+            _save(out, args.out)
+    out["config"]["wall_s"] = round(time.time() - t_start, 1)
+    _save(out, args.out)
+    log(f"wrote {args.out} ({out['config']['wall_s']} s)")
+    return 0
+
+
+def _save(obj, path):
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(p)
+
+
+
+
+def add_suite_subcommand(sub) -> None:
+    p = sub.add_parser("bench-suite", help="HumanEval + MT-Bench, AR/DFlash/DDTree budgets/TAPS, greedy + T=1 -> JSON")
+    p.add_argument("--datasets", default="humaneval,mtbench")
+    p.add_argument("--limit", type=positive_int, default=10, help="prompts per dataset (full: 164 / 80)")
+    p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="MT-Bench turns")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    p.add_argument("--policies", default="ddtree-cost,taps-paper,taps", help="added after ar, dflash, ddtree:B")
+    p.add_argument("--t1-policies", default="dflash,ddtree-best,taps", help="temperature-1 run ('' to skip)")
+    p.add_argument("--t1-limit", type=positive_int, default=5)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--hf-baseline", action="store_true",
+                   help="greedy runs: also time HF generate(do_sample=False) on every prompt (row 'hf')")
+    p.add_argument("--out", default="bench/results/taps_bench_cpu.json")
+    add_model_flags(p)
+    p.set_defaults(func=_cmd_bench_suite)
+

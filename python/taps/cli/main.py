@@ -29,9 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         train = None  # training extras not installed: inference commands still work
     if train is not None and hasattr(train, "add_subcommands"):
         train.add_subcommands(sub)
-    from . import taps_cmds  # TAPS: traces, train-scorer, eval-scorer, calibrate, bench-suite, report
+    from . import report, scorer_cmds
 
-    taps_cmds.add_subcommands(sub)
+    scorer_cmds.add_subcommands(sub)  # traces, train-scorer, eval-scorer, calibrate
+    bench.add_suite_subcommand(sub)
+    report.add_subcommand(sub)
     return ap
 
 
