@@ -10,12 +10,22 @@ Environment switches:
   TAPS_CUDA=auto   (default) build it when possible
   TAPS_SKIP_CPP=1  build nothing native (pure-Python install; ops fall back to references)
   TAPS_CUDA_ARCHS  e.g. "90" or "80;90" (default: torch's own choice)
+
+The shipped checkpoints (``checkpoints/<name>/``: config, weights, README, metrics) are copied into the
+``taps`` package as ``taps/checkpoints/<name>/`` when the package is built, so a wheel carries them and
+``taps.paths`` finds them without the source tree.
+
+Wheel: ``pip wheel . --no-build-isolation --no-deps -w dist`` (against the torch already installed).
 """
 import glob
 import os
 import shutil
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+#: Files of a checkpoint directory that ship (traces and training scratch never live there).
+CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.md")
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,7 +63,29 @@ def _native_extensions():
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+class BuildPyWithCheckpoints(build_py):
+    """build_py that also copies ``checkpoints/<name>/`` into ``taps/checkpoints/<name>/`` of the build."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return  # an editable install reads checkpoints/ of the checkout itself
+        src_root = os.path.join(ROOT, "checkpoints")
+        if not os.path.isdir(src_root):
+            return
+        for name in sorted(os.listdir(src_root)):
+            src = os.path.join(src_root, name)
+            if not os.path.isfile(os.path.join(src, "config.json")):
+                continue
+            dst = os.path.join(self.build_lib, "taps", "checkpoints", name)
+            self.mkpath(dst)
+            for pattern in CHECKPOINT_FILES:
+                for f in sorted(glob.glob(os.path.join(src, pattern))):
+                    self.copy_file(f, os.path.join(dst, os.path.basename(f)))
+
+
 ext_modules, cmdclass = _native_extensions()
+cmdclass["build_py"] = BuildPyWithCheckpoints
 
 setup(
     name="taps_kernels",
@@ -61,9 +93,9 @@ setup(
     description="Kernels and driver for TAPS: target-aware prefix tree selection for diffusion-drafted speculative decoding",
     packages=["taps_kernels", "taps_kernels.reference", "taps_kernels.triton",
               "taps", "taps.models", "taps.decode", "taps.training", "taps.cli", "taps.scoring", "taps.data",
-              "taps.decode.policies", "taps_kernels.ops", "taps_kernels.integrations"],
+              "taps.decode.policies", "taps.hf", "taps_kernels.ops", "taps_kernels.integrations"],
     package_dir={"taps_kernels": "taps_kernels", "taps": "python/taps"},
-    package_data={"taps": ["assets/*"]},
+    package_data={"taps": ["assets/*"], "taps.hf": ["custom_generate/*.py", "custom_generate/*.md"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"triton": ["triton>=3.2"], "driver": ["transformers>=4.56", "safetensors", "tqdm"]},

@@ -10,7 +10,6 @@ from typing import Dict, List, Optional
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_DRAFTER = "checkpoints/smollm2-dflash"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,10 +99,9 @@ def load_target_cli(args):
 
 
 def _resolve_drafter_dir(path: str) -> Path:
-    p = Path(path).expanduser()
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        p = REPO_ROOT / p  # the shipped checkpoint, when taps runs outside the repo root
-    return p
+    from taps.paths import resolve_checkpoint
+
+    return resolve_checkpoint(path)  # the shipped checkpoint wherever taps is installed or run from
 
 
 def drafter_dir_cli(args) -> Path:

@@ -37,8 +37,6 @@ import taps_kernels
 from .base import PolicyError, Stopwatch, parse_budget, register_policy
 from .gate import GatedPolicy
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
-DEFAULT_SCORER = REPO_ROOT / "checkpoints" / "smollm2-taps-scorer"
 DEFAULT_POOL_SIZE = 128
 DEFAULT_CAP = 64
 LAMBDA_NODE = 1.0
@@ -52,7 +50,13 @@ def scorer_dir(tiny: bool = False) -> Path:
     env = os.environ.get("TAPS_SCORER_TINY" if tiny else "TAPS_SCORER")
     if env:
         return Path(env)
-    return DEFAULT_SCORER.with_name(DEFAULT_SCORER.name + "-tiny") if tiny else DEFAULT_SCORER
+    from taps import paths  # $TAPS_HOME, then package data, then the source checkout
+
+    name = paths.SCORER_TINY if tiny else paths.SCORER
+    try:
+        return paths.checkpoint_dir(name)
+    except FileNotFoundError:
+        return paths.checkpoint_candidates(name)[-1]  # the loader names the missing directory
 
 
 class OverheadTracker:
