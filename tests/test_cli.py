@@ -1,15 +1,15 @@
 """The ``taps`` CLI end to end on tiny random models saved to disk (no downloads): JSON output, bench
-summary, demo check, and one-line errors with exit code 2 for bad input."""
+summary (recomputed from its own records), the rotation protocol, demo check, report, and one-line errors
+with exit code 2 for bad input."""
 import json
 
 import pytest
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from taps.cli.main import main
 
-from test_decode_greedy import tiny_drafter, tiny_target  # noqa: F401  (shared tiny models)
+from helpers import tiny_drafter, tiny_target
 
 WORDS = [f"w{i}" for i in range(50)] + ["user", "assistant", "system"]
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
@@ -70,28 +70,58 @@ def test_generate_json_equals_ar(assets, capsys):
         assert isinstance(rec["text"], str) and 1 <= len(rec["token_ids"]) <= 14
         outs[policy] = rec["token_ids"]
     assert outs["dflash"] == outs["ar"] and outs["ddtree:4"] == outs["ar"]
-    rc, out, err = run_cli(capsys, "generate", "--policy", "ddtree:4", "--prompt", "w1 w2", "--raw",
-                           "--temperature", 0.9, "--top-p", 0.8, "--seed", 3, "--max-new-tokens", 5, *common(assets))
-    assert rc == 0 and out.strip() and "tau" in err
 
 
-def test_bench_summary(assets, capsys, tmp_path):
+def test_generate_sampled_is_seeded(assets, capsys):
+    """Sampling: the same --seed gives the same tokens; across seeds the tokens vary; text decodes the ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets / "target")
+    runs = {}
+    for seed in (3, 3, 4, 5, 6):
+        rc, out, err = run_cli(capsys, "generate", "--policy", "ddtree:4", "--prompt", "w1 w2", "--raw", "--json",
+                               "--temperature", 0.9, "--top-p", 0.8, "--seed", seed, "--max-new-tokens", 8,
+                               *common(assets))
+        assert rc == 0, err
+        rec = json.loads(out)
+        assert rec["text"] == tok.decode(rec["token_ids"], skip_special_tokens=True)
+        runs.setdefault(seed, []).append(rec["token_ids"])
+    assert runs[3][0] == runs[3][1]
+    assert len({tuple(r[0]) for r in runs.values()}) > 1
+
+
+def per_token(recs):
+    return sum(r["seconds"] for r in recs) / sum(r["new_tokens"] for r in recs)
+
+
+def test_bench_summary_recomputed_from_records(assets, capsys, tmp_path):
     out_json = tmp_path / "s.json"
-    rc, out, err = run_cli(capsys, "bench", "--prompts", assets / "p.jsonl", "--policies", "dflash,ddtree:4",
+    rc, out, err = run_cli(capsys, "bench", "--prompts", assets / "p.jsonl", "--policies", "dflash,ddtree:4,ddtree:2",
                            "--max-new-tokens", 8, "--warmup", 0, "--hf-baseline", "--out", out_json, *common(assets))
     assert rc == 0, err
     records = [json.loads(line) for line in out.splitlines()]
-    assert len(records) == 2 * 4  # 2 prompts x (ar, dflash, ddtree:4, hf)
+    # Protocol: per prompt AR first, then the other policies rotated by one, then HF.
+    order = [r["policy"] for r in records]
+    assert order == ["ar", "dflash", "ddtree:4", "ddtree:2", "hf", "ar", "ddtree:4", "ddtree:2", "dflash", "hf"]
     assert all(r["identical_to_ar"] for r in records)
-    summary = json.loads(out_json.read_text())["policies"]
-    assert set(summary) == {"ar", "dflash", "ddtree:4", "hf"}
-    for spec in ("ar", "dflash", "ddtree:4"):
-        s = summary[spec]
-        assert s["identical_to_ar"] == 2 and s["tau"] >= 1.0 and s["speedup"] > 0
-        assert {"tokens_per_s_median", "tokens_per_s_mean", "nodes_per_round", "time_split_s"} <= set(s)
-        assert {"draft", "verify", "accept", "compaction"} <= set(s["time_split_s"])
-    assert summary["ar"]["speedup"] == pytest.approx(1.0) and summary["ar"]["nodes_per_round"] == 1.0
-    assert "HF generate" in err and "speedup" in err
+    data = json.loads(out_json.read_text())
+    (run,) = data["runs"]
+    assert run["temperature"] == 0.0 and run["prompts"] == 2 and not run["partial"]
+    summary = run["policies"]
+    assert set(summary) == {"ar", "dflash", "ddtree:4", "ddtree:2", "hf"}
+    by = {s: [r for r in records if r["policy"] == s] for s in summary}
+    for spec, s in summary.items():
+        recs = by[spec]
+        assert s["identical_to_ar"] == 2 and s["new_tokens"] == sum(r["new_tokens"] for r in recs)
+        assert s["speedup"] == pytest.approx(per_token(by["ar"]) / per_token(recs), rel=1e-9)
+        if spec != "hf":
+            rounds = sum(r["rounds"] for r in recs)
+            assert s["rounds"] == rounds
+            assert s["tau"] == pytest.approx(sum(r["tau"] * r["rounds"] for r in recs) / rounds, rel=1e-9)
+            assert {"draft", "verify", "accept", "compaction"} <= set(s["time_split_s"])
+    assert summary["ar"]["speedup"] == 1.0 and summary["ar"]["nodes_per_round"] == 1.0
+    assert summary["ar"]["tau"] == 1.0 and summary["dflash"]["tau"] >= 1.0
+    assert f"{1 / summary['hf']['speedup']:.3f}" in err  # the HF line prints the summary's own ratio
 
 
 def test_demo_checks_outputs(assets, capsys):
@@ -144,21 +174,53 @@ def test_stop_tokens_include_template_end(assets):
     assert encode_prompt(tok, "w1 w2", raw=True) == tok("w1 w2", add_special_tokens=False)["input_ids"]
 
 
-def test_bench_suite_with_hf_baseline_and_report(assets, capsys, tmp_path):
+def test_bench_suite_alias_and_report(assets, capsys, tmp_path):
     from taps.scoring.report import write_report
 
     out_json = tmp_path / "suite.json"
     rc, out, err = run_cli(capsys, "bench-suite", "--datasets", "humaneval", "--limit", 2, "--budgets", "2,4",
-                           "--policies", "ddtree:3", "--t1-policies", "dflash", "--t1-limit", 1, "--hf-baseline",
-                           "--max-new-tokens", 6, "--warmup", 0, "--out", out_json, *common(assets))
+                           "--policies", "ddtree:3", "--t1-policies", "dflash,ddtree-best", "--t1-limit", 1,
+                           "--hf-baseline", "--max-new-tokens", 6, "--warmup", 0, "--out", out_json, *common(assets))
     assert rc == 0, err
-    runs = json.loads(out_json.read_text())["runs"]
-    greedy, sampled = runs
+    assert "deprecated, use `taps bench`" in err
+    data = json.loads(out_json.read_text())
+    greedy, sampled = data["runs"]
     assert greedy["temperature"] == 0.0 and not greedy["partial"] and greedy["prompts"] == 2
     assert set(greedy["policies"]) == {"ar", "dflash", "ddtree:2", "ddtree:4", "ddtree:3", "hf"}
     assert all(s["identical_to_ar"] == 2 for s in greedy["policies"].values())
-    assert greedy["best_ddtree"] in ("ddtree:2", "ddtree:4", "ddtree:3")
-    assert set(sampled["policies"]) == {"ar", "dflash"} and sampled["temperature"] == 1.0
+    fastest = max((k for k in greedy["policies"] if k.startswith("ddtree:")),
+                  key=lambda k: greedy["policies"][k]["tokens_per_s_median"])
+    assert greedy["best_ddtree"] == fastest
+    assert set(sampled["policies"]) == {"ar", "dflash", fastest} and sampled["temperature"] == 1.0
+    assert sampled["prompts"] == 1 and all(s["identical_to_ar"] == 0 for s in sampled["policies"].values())
+    cmd = data["config"]["command"]
+    assert cmd.startswith("taps bench-suite --datasets humaneval") and str(tmp_path) not in cmd  # portable paths
     write_report(str(out_json), tmp_path / "r.md", plot_prefix=str(tmp_path / "p"))
     text = (tmp_path / "r.md").read_text()
     assert "AR policy speed / HF generate speed" in text and "HF generate included | - | - | yes |" in text
+    assert str(tmp_path) not in text.split("Commands:")[0]
+
+
+def test_bench_and_alias_accept_each_others_flags(assets, capsys, tmp_path):
+    """`taps bench` takes the suite's flags (--datasets, --budgets, --turns, --t1-*) and the report reads it."""
+    from taps.scoring.report import write_report
+
+    out_json = tmp_path / "b.json"
+    rc, out, err = run_cli(capsys, "bench", "--datasets", "humaneval", "--limit", 1, "--budgets", "3",
+                           "--policies", "dflash", "--t1-policies", "", "--turns", 1, "--max-new-tokens", 5,
+                           "--warmup", 0, "--out", out_json, *common(assets))
+    assert rc == 0, err and "deprecated" not in err
+    (run,) = json.loads(out_json.read_text())["runs"]
+    assert list(run["policies"]) == ["ar", "ddtree:3", "dflash"] and run["dataset"] == "humaneval"
+    paths = write_report(str(out_json), tmp_path / "b.md", plot_prefix="")
+    assert "## humaneval, temperature 0, 1 prompts" in paths[0].read_text()
+
+
+def test_trace_config_rejects_unknown_options():
+    from taps.scoring.traces import TraceConfig
+
+    with pytest.raises(TypeError, match="unknown option.*pool_sise"):
+        TraceConfig.from_options(pool_sise=8)
+    with pytest.raises(ValueError, match="TraceConfig.top_k"):
+        TraceConfig(top_k=0)
+    assert TraceConfig.from_options(pool_size=8).pool_size == 8

@@ -1,47 +1,79 @@
-"""``taps bench``: policies on a prompt set through one harness; speedup over AR (and HF ``generate``).
+"""``taps bench``: policies on prompt sets through one harness; speedup over AR (and HF ``generate``).
 
-Per (prompt, policy) one JSON line goes to stdout (or ``--jsonl FILE``); the
-summary table goes to stderr so ``taps bench > runs.jsonl`` stays clean;
-``--out FILE.json`` writes the summary. Speedup = AR seconds per output token /
-policy seconds per output token, both measured here, prompts interleaved so
-machine noise hits every policy alike.
+One command, one protocol, one summary format (``taps bench-suite`` is a deprecated alias with the suite's
+defaults: both datasets, every DDTree budget, a temperature-1 run).
+
+* Prompts: ``--dataset`` / ``--datasets`` (HumanEval, MT-Bench with ``--turns``) or ``--prompts`` JSONL.
+* Policies: AR (always, first: the lossless check compares against it), the ``--budgets`` as ``ddtree:B``,
+  then ``--policies``. Per prompt the non-AR policies run in an order rotated by one, so load drift on a
+  shared machine does not always land on the same policies.
+* Runs: one at ``--temperature`` (greedy by default) per dataset; ``--t1-policies`` adds a temperature-1
+  run on the first ``--t1-limit`` prompts (``ddtree-best`` = the fastest DDTree budget of the first run).
+* Output: one JSON line per (prompt, policy) on stdout (or ``--jsonl FILE``), a table per run on stderr,
+  and with ``--out`` the summary ``{"config": {...}, "runs": [{"dataset", "temperature", "prompts",
+  "policies": {spec: summary}, "best_ddtree", "partial"}]}``, rewritten after every prompt so a run cut
+  short leaves a valid file; ``taps report`` reads it.
+
+Speedup = AR seconds per output token / policy seconds per output token, both measured here.
 """
 from __future__ import annotations
 
 import json
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .common import (CLIError, add_model_flags, positive_int, drafter_dir_cli, add_sampling_flags, hf_generate_item, load_drafter_cli, load_target_cli,
-                     parse_policies, quiet_warnings, run_item, sampling_from_args, setup_torch, stop_token_ids)
+from .common import (CLIError, add_model_flags, add_sampling_flags, drafter_dir_cli, hf_generate_item,
+                     load_drafter_cli, load_target_cli, parse_policies, positive_int, quiet_warnings, run_item,
+                     sampling_from_args, setup_torch, stop_token_ids)
+
+BUDGETS = (4, 8, 16, 32, 64, 128)
+DATASETS = ("humaneval", "mtbench")
+
+
+def _cmdline(args=None) -> str:
+    from taps.paths import portable_command
+
+    return "taps " + portable_command(getattr(args, "argv", None) or sys.argv[1:])
+
+
+def _add_flags(p, suite: bool) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--dataset", "--datasets", dest="datasets", default="humaneval,mtbench" if suite else "humaneval",
+                     help="comma list of humaneval, mtbench (default %(default)s)")
+    src.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} (or {"turns": [...]}) per line')
+    p.add_argument("--limit", type=positive_int, default=10, help="prompts per dataset (full: 164 / 80; default 10)")
+    p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="MT-Bench turns (default 2)")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)) if suite else "",
+                   help="DDTree budgets run as ddtree:B (comma list; default %(default)r)")
+    p.add_argument("--policies", default="dflash,ddtree-cost,taps-paper,taps" if suite else "ar,dflash,ddtree:16",
+                   help="comma list, after AR and the budgets (default %(default)s)")
+    p.add_argument("--t1-policies", default="dflash,ddtree-best,taps" if suite else "",
+                   help="temperature-1 run of these policies ('' to skip; default %(default)r)")
+    p.add_argument("--t1-limit", type=positive_int, default=5, help="prompts per dataset in the temperature-1 run")
+    p.add_argument("--out", default="bench/results/taps_bench_cpu.json" if suite else None,
+                   help="write the JSON summary here")
+    p.add_argument("--jsonl", default=None, help="write per-prompt records here instead of stdout")
+    p.add_argument("--hf-baseline", action="store_true", help="greedy runs: also time HF generate(do_sample=False)")
+    p.add_argument("--warmup", type=int, default=1, help="short warm-up generations per policy (default 1)")
+    add_sampling_flags(p)
+    p.set_defaults(max_new_tokens=64 if suite else 128)
+    add_model_flags(p)
 
 
 def add_subcommand(sub) -> None:
     p = sub.add_parser("bench", help="benchmark policies on HumanEval, MT-Bench or a JSONL prompt file")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--dataset", choices=("humaneval", "mtbench"), default=None, help="default humaneval")
-    src.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} (or {"turns": [...]}) per line')
-    p.add_argument("--limit", type=int, default=10, help="prompts to run (default 10)")
-    p.add_argument("--policies", default="ar,dflash,ddtree:16", help="comma list; AR is always added")
-    p.add_argument("--out", default=None, help="write the JSON summary here")
-    p.add_argument("--jsonl", default=None, help="write per-prompt records here instead of stdout")
-    p.add_argument("--hf-baseline", action="store_true", help="also time HF generate(do_sample=False)")
-    p.add_argument("--warmup", type=int, default=1, help="short warm-up generations per policy (default 1)")
-    add_sampling_flags(p)
-    p.set_defaults(max_new_tokens=128)
-    add_model_flags(p)
-    p.set_defaults(func=run)
+    _add_flags(p, suite=False)
+    p.set_defaults(func=run, deprecated_alias=None)
 
 
-BUDGETS = (4, 8, 16, 32, 64, 128)
-
-
-def _cmdline() -> str:
-    return "taps " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+def add_suite_subcommand(sub) -> None:
+    p = sub.add_parser("bench-suite", help="deprecated alias of `taps bench` with the full-suite defaults "
+                       "(both datasets, every DDTree budget, a temperature-1 run)")
+    _add_flags(p, suite=True)
+    p.set_defaults(func=run, deprecated_alias="bench-suite")
 
 
 def build_decoders(model, tok, drafter, specs: List[str], sampling):
@@ -156,64 +188,6 @@ def format_table(summary: Dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
-    from taps.data import load_dataset, load_jsonl
-
-    quiet_warnings()
-    specs = parse_policies(args.policies)
-    if "ar" not in specs:
-        specs = ["ar"] + specs
-    sampling = sampling_from_args(args)
-    if args.limit < 1:
-        from .common import CLIError
-        raise CLIError(f"--limit: expected an integer >= 1, received {args.limit}")
-    items = load_jsonl(args.prompts, args.limit) if args.prompts else load_dataset(args.dataset or "humaneval", args.limit)
-    setup_torch(args)
-    from taps.decode.policies import make_policy
-    need_drafter = any(make_policy(s).uses_drafter for s in specs)
-    if need_drafter:
-        drafter_dir_cli(args)
-    model, tok = load_target_cli(args)
-    drafter = load_drafter_cli(args, model) if need_drafter else None
-    decoders = build_decoders(model, tok, drafter, specs, sampling)
-    sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else sys.stdout
-
-    def emit(rec):
-        sink.write(json.dumps({k: v for k, v in rec.items() if k != "accept_lens"}) + "\n")
-        sink.flush()
-        if sink is not sys.stdout:  # records go to a file: show progress instead
-            tau = f"tau {rec['tau']:.2f}" if "tau" in rec else ""
-            print(f"  {rec['id']:<16} {rec['policy']:<12} {rec['new_tokens']:>4} tokens {rec['tokens_per_s']:7.2f} tok/s "
-                  f"{tau}", file=sys.stderr, flush=True)
-
-    t0 = time.perf_counter()
-    try:
-        results = run_suite(model, tok, decoders, items, args.max_new_tokens, seed=args.seed, warmup=args.warmup,
-                            hf_baseline=args.hf_baseline, on_record=emit)
-    finally:
-        if sink is not sys.stdout:
-            sink.close()
-    summary = summarize(results)
-    print(format_table(summary), file=sys.stderr)
-    if args.hf_baseline and "hf" in summary:
-        hf, ar = summary["hf"], summary["ar"]
-        print(f"HF generate: {hf['tokens_per_s_median']:.2f} tok/s median vs our AR {ar['tokens_per_s_median']:.2f} "
-              f"(our AR speed / HF speed, time per token: {1 / hf['speedup']:.3f})", file=sys.stderr)
-    print(f"{len(items)} prompts, {args.max_new_tokens} max new tokens, wall {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
-    if args.out:
-        meta = {"dataset": args.dataset or ("jsonl:" + args.prompts if args.prompts else "humaneval"),
-                "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "target": args.target,
-                "drafter": args.drafter if drafter is not None else None, "device": args.device, "dtype": args.dtype,
-                "threads": args.threads}
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"config": meta, "policies": summary}, f, indent=1)
-    return 0
-
-
-# --- bench-suite ----------------------------------------------------------------------------------------------------
-
 def _hist(values):
     h = {}
     for v in values:
@@ -236,11 +210,10 @@ def _summarize(results):
 
 
 def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log, on_partial=None,
-               hf_baseline=False):
+               hf_baseline=False, on_record=None):
     """Run ``items`` x ``specs``; after every prompt (all policies) ``on_partial(summary, prompts_done)`` is
     called, so a run cut short still leaves a valid JSON of the prompts completed. ``hf_baseline``: also
-    time HF ``generate`` on every prompt (policy ``"hf"``)."""
-    
+    time HF ``generate`` on every prompt (policy ``"hf"``); ``on_record(record)`` sees every record."""
     decoders = build_decoders(model, tok, drafter, specs, sampling)
     partial = {s: [] for s in specs + (["hf"] if hf_baseline else [])}
 
@@ -250,6 +223,8 @@ def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed
             f"{rec['tokens_per_s']:6.2f} tok/s  "
             f"{ {True: '=AR', False: 'DIFFERS', None: '(sampled)'}[rec['identical_to_ar']] }")
         partial[rec["policy"]].append(rec)
+        if on_record is not None:
+            on_record(rec)
         done = min(len(v) for v in partial.values())
         if on_partial is not None and all(len(v) == done for v in partial.values()):
             on_partial(_summarize(partial), done)
@@ -276,87 +251,6 @@ def _best_ddtree(summary):
     return max(dd, key=lambda k: dd[k]["tokens_per_s_median"])
 
 
-def _cmd_bench_suite(args):
-    import torch
-
-    from taps.data import PromptItem, load_humaneval, load_mtbench
-    from taps.decode import SamplingConfig
-
-    from .common import load_drafter_cli, load_target_cli, parse_policies, quiet_warnings, setup_torch
-
-    quiet_warnings()
-    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
-    specs = ["ar", "dflash"] + [f"ddtree:{b}" for b in budgets] + parse_policies(args.policies)
-    specs = list(dict.fromkeys(specs))
-    parse_policies(",".join(specs))
-    setup_torch(args)
-    model, tok = load_target_cli(args)
-    drafter = load_drafter_cli(args, model)
-    from taps.decode.policies.taps import scorer_dir
-    from taps.scoring.traces import drafter_identity
-
-    from .common import _resolve_drafter_dir
-
-    datasets = {}
-    for name in args.datasets.split(","):
-        name = name.strip()
-        if name == "humaneval":
-            datasets[name] = load_humaneval(args.limit)
-        elif name == "mtbench":
-            items = load_mtbench(args.limit)
-            datasets[name] = items if args.turns == 2 else [PromptItem(i.id, i.source, i.turns[:1]) for i in items]
-        else:
-            raise CLIError(f"--datasets: expected humaneval and/or mtbench, received {name!r}")
-    log = (lambda s: print(s, file=sys.stderr, flush=True))
-    out = {"config": {"command": _cmdline(), "target": args.target, "drafter": drafter_identity(_resolve_drafter_dir(args.drafter)),
-                      "limit_per_dataset": args.limit, "mtbench_turns": args.turns,
-                      "max_new_tokens": args.max_new_tokens, "budgets": budgets, "policies": specs,
-                      "device": args.device, "threads": torch.get_num_threads(), "seed": args.seed,
-                      "scorer": str(scorer_dir()),
-                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "note": (f"first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
-                               f"{args.max_new_tokens} new tokens per turn")},
-           "runs": []}
-    t_start = time.time()
-    for ds, items in datasets.items():
-        log(f"== {ds}: {len(items)} prompts, greedy, {len(specs)} policies")
-        run = {"dataset": ds, "temperature": 0.0, "prompts": 0, "policies": {}, "best_ddtree": None, "partial": True}
-        out["runs"].append(run)
-
-        def partial(summ, done, run=run):
-            run.update(prompts=done, policies=summ, best_ddtree=_best_ddtree(summ))
-            _save(out, args.out)
-
-        summ = _run_block(model, tok, drafter, specs, items, SamplingConfig(), args.max_new_tokens, args.seed,
-                          args.warmup, log, on_partial=partial, hf_baseline=args.hf_baseline)
-        run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
-        _save(out, args.out)
-    if args.t1_policies:
-        t1 = [s.strip() for s in args.t1_policies.split(",") if s.strip()]
-        for run in [r for r in out["runs"] if r["temperature"] == 0.0 and r["policies"]]:
-            best = run["best_ddtree"]
-            chosen = [best if s == "ddtree-best" else s for s in t1]
-            specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
-            items = datasets[run["dataset"]][: args.t1_limit]
-            log(f"== {run['dataset']}: {len(items)} prompts, temperature 1, policies {specs1}")
-            run1 = {"dataset": run["dataset"], "temperature": 1.0, "prompts": 0, "policies": {}, "best_ddtree": None,
-                    "partial": True}
-            out["runs"].append(run1)
-
-            def partial1(summ, done, run1=run1):
-                run1.update(prompts=done, policies=summ, best_ddtree=_best_ddtree(summ))
-                _save(out, args.out)
-
-            summ = _run_block(model, tok, drafter, specs1, items, SamplingConfig(temperature=1.0), args.max_new_tokens,
-                              args.seed, 0, log, on_partial=partial1)
-            run1.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
-            _save(out, args.out)
-    out["config"]["wall_s"] = round(time.time() - t_start, 1)
-    _save(out, args.out)
-    log(f"wrote {args.out} ({out['config']['wall_s']} s)")
-    return 0
-
-
 def _save(obj, path):
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -367,21 +261,120 @@ def _save(obj, path):
 
 
 
-def add_suite_subcommand(sub) -> None:
-    p = sub.add_parser("bench-suite", help="HumanEval + MT-Bench, AR/DFlash/DDTree budgets/TAPS, greedy + T=1 -> JSON")
-    p.add_argument("--datasets", default="humaneval,mtbench")
-    p.add_argument("--limit", type=positive_int, default=10, help="prompts per dataset (full: 164 / 80)")
-    p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="MT-Bench turns")
-    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
-    p.add_argument("--policies", default="ddtree-cost,taps-paper,taps", help="added after ar, dflash, ddtree:B")
-    p.add_argument("--t1-policies", default="dflash,ddtree-best,taps", help="temperature-1 run ('' to skip)")
-    p.add_argument("--t1-limit", type=positive_int, default=5)
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--hf-baseline", action="store_true",
-                   help="greedy runs: also time HF generate(do_sample=False) on every prompt (row 'hf')")
-    p.add_argument("--out", default="bench/results/taps_bench_cpu.json")
-    add_model_flags(p)
-    p.set_defaults(func=_cmd_bench_suite)
+def _items(args):
+    from taps.data import PromptItem, load_dataset, load_jsonl
+    from taps.paths import portable_path
 
+    if args.prompts:
+        return {"jsonl:" + portable_path(args.prompts): load_jsonl(args.prompts, args.limit)}
+    out = {}
+    for name in (s.strip() for s in args.datasets.split(",") if s.strip()):
+        if name not in DATASETS:
+            raise CLIError(f"--datasets: expected humaneval and/or mtbench, received {name!r}")
+        items = load_dataset(name, args.limit)
+        out[name] = items if args.turns == 2 else [PromptItem(i.id, i.source, i.turns[:1]) for i in items]
+    if not out:
+        raise CLIError("--datasets: expected humaneval and/or mtbench, received nothing")
+    return out
+
+
+def _specs(args) -> List[str]:
+    try:
+        budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        raise CLIError(f"--budgets: expected a comma list of integers, received {args.budgets!r}") from None
+    base = ["ar", "dflash"] if args.deprecated_alias else ["ar"]  # the suite always ran DFlash
+    specs = base + [f"ddtree:{b}" for b in budgets] + [s.strip() for s in args.policies.split(",") if s.strip()]
+    return parse_policies(",".join(dict.fromkeys(specs)))
+
+
+def run(args) -> int:
+    import torch
+
+    from taps.decode import SamplingConfig
+    from taps.decode.policies import make_policy
+    from taps.paths import portable_path
+
+    quiet_warnings()
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    if args.deprecated_alias:
+        log(f"taps {args.deprecated_alias}: deprecated, use `taps bench` (same flags; this alias keeps the "
+            "full-suite defaults for one release)")
+    specs = _specs(args)
+    t1 = [s.strip() for s in args.t1_policies.split(",") if s.strip()]
+    parse_policies(",".join(s for s in t1 if s != "ddtree-best") or "ar")
+    sampling = sampling_from_args(args)
+    datasets = _items(args)
+    setup_torch(args)
+    need_drafter = any(make_policy(s).uses_drafter for s in specs + [s for s in t1 if s != "ddtree-best"]) or \
+        "ddtree-best" in t1
+    if need_drafter:
+        drafter_dir_cli(args)
+    model, tok = load_target_cli(args)
+    drafter = load_drafter_cli(args, model) if need_drafter else None
+    from taps.decode.policies.taps import scorer_dir
+    from taps.scoring.traces import drafter_identity
+
+    from .common import _resolve_drafter_dir
+
+    out = {"config": {"command": _cmdline(args), "target": args.target,
+                      "drafter": drafter_identity(_resolve_drafter_dir(args.drafter)) if drafter is not None else None,
+                      "datasets": list(datasets), "limit_per_dataset": args.limit, "mtbench_turns": args.turns,
+                      "max_new_tokens": args.max_new_tokens, "policies": specs, "temperature": sampling.temperature,
+                      "top_p": args.top_p, "top_k": args.top_k, "t1_policies": t1, "t1_limit": args.t1_limit,
+                      "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                      "seed": args.seed, "scorer": portable_path(scorer_dir()),
+                      "order": "AR first, then the other policies rotated by one per prompt",
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "note": (f"first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
+                               f"{args.max_new_tokens} new tokens per turn")},
+           "runs": []}
+    sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else sys.stdout
+
+    def emit(rec):
+        sink.write(json.dumps({k: v for k, v in rec.items() if k != "accept_lens"}) + "\n")
+        sink.flush()
+
+    def block(ds, items, run_specs, run_sampling, warmup, hf):
+        log(f"== {ds}: {len(items)} prompts, temperature {run_sampling.temperature:g}, policies {', '.join(run_specs)}")
+        run = {"dataset": ds, "temperature": run_sampling.temperature, "prompts": 0, "policies": {},
+               "best_ddtree": None, "partial": True}
+        out["runs"].append(run)
+
+        def partial(summ, done):
+            run.update(prompts=done, policies=summ, best_ddtree=_best_ddtree(summ))
+            if args.out:
+                _save(out, args.out)
+
+        summ = _run_block(model, tok, drafter, run_specs, items, run_sampling, args.max_new_tokens, args.seed,
+                          warmup, log, on_partial=partial, hf_baseline=hf, on_record=emit)
+        run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
+        if args.out:
+            _save(out, args.out)
+        log(format_table(summ))
+        if hf and "hf" in summ and summ["hf"].get("speedup"):
+            hfs, ar = summ["hf"], summ["ar"]
+            log(f"HF generate: {hfs['tokens_per_s_median']:.2f} tok/s median vs our AR {ar['tokens_per_s_median']:.2f} "
+                f"(our AR speed / HF speed, time per token: {1 / hfs['speedup']:.3f})")
+        return run
+
+    t_start = time.time()
+    try:
+        first = [block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy)
+                 for ds, items in datasets.items()]
+        if t1:
+            t1_sampling = SamplingConfig(temperature=1.0)
+            for run in first:
+                chosen = [run["best_ddtree"] if s == "ddtree-best" else s for s in t1]
+                specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
+                block(run["dataset"], datasets[run["dataset"]][: args.t1_limit], specs1, t1_sampling, 0, False)
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    out["config"]["wall_s"] = round(time.time() - t_start, 1)
+    if args.out:
+        _save(out, args.out)
+        log(f"wrote {args.out}")
+    log(f"{sum(len(v) for v in datasets.values())} prompts, {args.max_new_tokens} max new tokens, "
+        f"wall {out['config']['wall_s']} s")
+    return 0

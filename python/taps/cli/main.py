@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded (portably) by bench and train-scorer
     if getattr(args, "func", None) is None:
         ap.print_help(sys.stderr)
         return 2

@@ -13,8 +13,8 @@ def _cmd_report(args):
 
 
 def add_subcommand(sub) -> None:
-    p = sub.add_parser("report", help="markdown table + plots from a bench-suite JSON (+ GPU-latency projection)")
-    p.add_argument("bench", nargs="+", help="bench-suite JSON(s); several are merged (e.g. one per dataset)")
+    p = sub.add_parser("report", help="markdown table + plots from `taps bench` JSON (+ GPU-latency projection)")
+    p.add_argument("bench", nargs="+", help="`taps bench --out` JSON(s); several are merged (e.g. one per dataset)")
     p.add_argument("--out-md", default="bench/results/taps_bench_cpu.md")
     p.add_argument("--plots", default="bench/results/taps_cpu", help="plot file prefix ('' for none)")
     p.add_argument("--scorer-metrics", default=None, help="metrics.json of the scorer (calibration section)")

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -18,25 +17,28 @@ from pathlib import Path
 from .common import CLIError, positive_int
 
 
-def _cmdline() -> str:
-    return "taps " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+def _cmdline(args=None) -> str:
+    """This command line for records, with absolute paths made portable (:func:`taps.paths.portable_command`)."""
+    from taps.paths import portable_command
+
+    return "taps " + portable_command(getattr(args, "argv", None) or sys.argv[1:])
 
 
 # --- traces ---------------------------------------------------------------------------------------------------------
 
 def _cmd_traces(args):
     from taps.cli.common import _resolve_drafter_dir
-    from taps.scoring.traces import collect_traces
+    from taps.scoring.traces import TraceConfig, collect_traces
 
     d = _resolve_drafter_dir(args.drafter)
     if not (d / "config.json").is_file():
         raise CLIError(f"--drafter {args.drafter}: no drafter checkpoint there (config.json missing)")
-    summ = collect_traces(args.out, str(d), target=args.target, num_prompts=args.num_prompts,
-                          pool_size=args.pool_size, top_k=args.top_k, lattice_k=args.lattice_k,
-                          max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                          prompts_per_shard=args.prompts_per_shard, seed=args.seed,
-                          exclude_prompts=args.exclude_prompts, threads=args.threads, max_minutes=args.max_minutes,
-                          worker=args.worker, workers=args.workers)
+    config = TraceConfig(target=args.target, num_prompts=args.num_prompts, pool_size=args.pool_size,
+                         top_k=args.top_k, lattice_k=args.lattice_k, max_new_tokens=args.max_new_tokens,
+                         max_prompt_tokens=args.max_prompt_tokens, prompts_per_shard=args.prompts_per_shard,
+                         seed=args.seed, exclude_prompts=args.exclude_prompts, threads=args.threads,
+                         max_minutes=args.max_minutes, worker=args.worker, workers=args.workers)
+    summ = collect_traces(args.out, str(d), config)
     print(json.dumps(summ, indent=1))
     return 0
 
@@ -106,6 +108,7 @@ def _cmd_train(args):
     from taps.scoring.evaluate import evaluate_scorer, format_eval
     from taps.scoring.io import save_scorer
     from taps.scoring.model import count_parameters
+    from taps.paths import portable_path
     from taps.scoring.train import target_embeddings, train_scorer
 
     if args.threads:
@@ -116,7 +119,7 @@ def _cmd_train(args):
     if any(m.get("drafter") != m0.get("drafter") for m in metas):
         raise CLIError("--traces: the directories were traced with different drafters; a scorer is per pair")
     emb = target_embeddings(m0.get("target", args.target))
-    cmd = _cmdline()
+    cmd = _cmdline(args)
     variants = [("full", False, args.out)] + ([("tiny", True, args.tiny_out)] if args.tiny_out else [])
     results = {}
     for label, tiny, out in variants:
@@ -128,7 +131,7 @@ def _cmd_train(args):
                 "top_k": m0.get("top_k"), "train_rounds": int(train["tokens"].shape[0]),
                 "val_rounds": int(val["tokens"].shape[0]),
                 "trace_prompts": _count_prompts(train, val),
-                "trace_dirs": list(args.traces),
+                "trace_dirs": [portable_path(d) for d in args.traces],
                 "lr": args.lr, "epochs": args.epochs, "target_dist": args.target_dist, "seed": args.seed,
                 "command": cmd, "best_epoch": hist["best_epoch"], "train_seconds": hist["seconds"],
                 "val_ece": ev["scorer"]["ece"], "val_ece_marginal": ev["marginal"]["ece"],
@@ -169,7 +172,9 @@ def _cmd_eval(args):
         table = load_table(args.latency)
         over = json.loads(args.overhead_ms) if args.overhead_ms else {}
         over = {k: v / 1000 for k, v in over.items()}
-        ev["replay"] = {"latency_table": args.latency, "table_machine": table.get("machine"), "t0": table.get("t0"),
+        from taps.paths import portable_path
+
+        ev["replay"] = {"latency_table": portable_path(args.latency), "table_machine": table.get("machine"), "t0": table.get("t0"),
                         "overhead_s": over, "rounds": int(data["tokens"].shape[0]),
                         "policies": replay_throughput(data, w, emb, table, over)}
         for k, v in ev["replay"]["policies"].items():

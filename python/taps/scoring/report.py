@@ -1,4 +1,4 @@
-"""``taps report``: markdown tables, the "must show" checks and plots from a ``taps bench-suite`` JSON.
+"""``taps report``: markdown tables, the "must show" checks and plots from ``taps bench`` JSON.
 
 Plots (PNG, matplotlib Agg): throughput against tau (the paper's first figure, one point per policy,
 DDTree budgets joined), speedup and tau against the DDTree budget (other policies as horizontal
@@ -11,8 +11,11 @@ and nodes per round of this run; it is labelled as a projection everywhere it ap
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import List, Optional
+
+from taps.paths import portable_command, portable_path
 
 STAGES = ("prefill", "draft", "pool", "scoring", "selection", "verify", "accept", "compaction", "context")
 TARGETS = {"tau_vs_ddtree_same_budget": 1.07, "tps_vs_dflash": 1.3, "tps_vs_best_ddtree": 1.15, "ar_vs_hf": 1.0}
@@ -77,7 +80,7 @@ def policy_table(run: dict, projection: Optional[dict] = None) -> List[str]:
 
 
 def check_targets(run: dict) -> List[dict]:
-    """The issue's "must show" checks on one greedy run: each ``{name, value, target, met, detail}``."""
+    """The benchmark's "must show" checks on one greedy run: each ``{name, value, target, met, detail}``."""
     pol = run["policies"]
     out = []
     taps = pol.get("taps")
@@ -203,9 +206,15 @@ def coverage(runs: List[dict]) -> str:
 
 
 def merge_bench(paths) -> dict:
-    """One bench dict from several ``bench-suite`` JSONs (e.g. one per dataset, run side by side): runs are
+    """One bench dict from several ``taps bench`` JSONs (e.g. one per dataset, run side by side): runs are
     concatenated, the config is the first file's with every command kept."""
     datas = [json.loads(Path(p).read_text()) for p in paths]
+    for d in datas:
+        if "runs" not in d and "policies" in d:  # a summary from before bench and bench-suite merged: one run
+            c = d.get("config", {})
+            d["runs"] = [{"dataset": c.get("dataset", "?"), "temperature": c.get("temperature", 0.0),
+                          "prompts": max((s.get("prompts", 0) for s in d["policies"].values()), default=0),
+                          "policies": d["policies"], "best_ddtree": None, "partial": False}]
     cfg = dict(datas[0]["config"])
     if len(datas) > 1:
         cfg["command"] = "\n".join(d["config"].get("command", "") for d in datas)
@@ -221,12 +230,17 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
     data = merge_bench(bench_json if isinstance(bench_json, (list, tuple)) else [bench_json])
     cfg = data["config"]
     proj = json.loads(Path(projection).read_text()) if projection else None
+    drafter = cfg.get("drafter") if isinstance(cfg.get("drafter"), dict) else {"path": cfg.get("drafter")}
+    # Records from other machines may hold absolute paths: the report shows them portably.
+    drafter_path = portable_path(drafter["path"]) if drafter.get("path") else None
+    scorer = portable_path(cfg["scorer"]) if cfg.get("scorer") else None
+    command = "\n".join(portable_command(shlex.split(c)) for c in str(cfg.get("command", "")).splitlines())
     L = [f"# TAPS benchmark: {cfg.get('target')} on {cfg.get('device')} ({cfg.get('threads')} threads)", "",
          f"**{coverage(data['runs'])}; {cfg.get('max_new_tokens')} new tokens per turn**", "",
-         "Commands:", "", "```", cfg.get("command", ""),
+         "Commands:", "", "```", command,
          "```", "",
-         f"Drafter: `{cfg.get('drafter', {}).get('path')}` (sha256 `{cfg.get('drafter', {}).get('sha256')}`); "
-         f"scorer: `{cfg.get('scorer')}`; max new tokens per turn {cfg.get('max_new_tokens')}; MT-Bench turns "
+         f"Drafter: `{drafter_path}` (sha256 `{drafter.get('sha256')}`); "
+         f"scorer: `{scorer}`; max new tokens per turn {cfg.get('max_new_tokens')}; MT-Bench turns "
          f"{cfg.get('mtbench_turns')}; wall {cfg.get('wall_s')} s. Speedup = AR time per token / policy time per "
          "token, same harness, prompts interleaved across policies. tau counts the bonus token.", ""]
     checks_all = []

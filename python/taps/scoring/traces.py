@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -64,9 +65,11 @@ def file_digest(path, n: int = 16) -> str:
 
 def drafter_identity(drafter_dir) -> dict:
     """``{"path", "sha256"}`` of a drafter directory's weights (a scorer is specific to this pair)."""
+    from taps.paths import portable_path
+
     p = Path(drafter_dir)
     files = sorted(p.glob("*.safetensors"))
-    return {"path": str(p), "sha256": file_digest(files[0]) if files else None}
+    return {"path": portable_path(p), "sha256": file_digest(files[0]) if files else None}
 
 
 def trace_prompts(num_prompts: int, seed: int = 1, exclude_file: Optional[str] = None) -> List[dict]:
@@ -155,25 +158,74 @@ def stack_records(records: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Ten
     return out
 
 
-def collect_traces(out_dir, drafter_dir, target: str = "smollm2", num_prompts: int = 128, pool_size: int = 256,
-                   top_k: int = 64, lattice_k: int = 32, max_new_tokens: int = 128, max_prompt_tokens: int = 512,
-                   prompts_per_shard: int = 4, seed: int = 1, exclude_prompts: Optional[str] = None,
-                   threads: Optional[int] = None, max_minutes: Optional[float] = None, progress: bool = True,
-                   worker: int = 0, workers: int = 1) -> dict:
-    """Collect traces into ``out_dir`` (resumable: finished shards are skipped; ``meta.json`` must agree).
+@dataclass(frozen=True)
+class TraceConfig:
+    """Options of :func:`collect_traces` (the CLI flags of ``taps traces``).
 
     ``worker``/``workers``: this process takes shards ``s`` with ``s % workers == worker``, so several
-    processes can fill one directory side by side.
-
-    Stops when every prompt is traced or ``max_minutes`` have passed (the shard in progress is finished).
-    Returns :func:`trace_summary` of the directory.
+    processes can fill one directory side by side. ``max_minutes``: stop after the shard in progress once
+    this much time has passed. ``exclude_prompts``: JSONL of prompt ids to skip (the drafter's own).
     """
+
+    target: str = "smollm2"
+    num_prompts: int = 128
+    pool_size: int = 256
+    top_k: int = 64
+    lattice_k: int = 32
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 512
+    prompts_per_shard: int = 4
+    seed: int = 1
+    exclude_prompts: Optional[str] = None
+    threads: Optional[int] = None
+    max_minutes: Optional[float] = None
+    progress: bool = True
+    worker: int = 0
+    workers: int = 1
+
+    def __post_init__(self):
+        for name in ("num_prompts", "pool_size", "top_k", "lattice_k", "max_new_tokens", "max_prompt_tokens",
+                     "prompts_per_shard", "workers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TraceConfig.{name}: expected an integer >= 1, received {v!r}")
+        if not 0 <= self.worker < self.workers:
+            raise ValueError(f"TraceConfig.worker: expected 0 <= worker < workers ({self.workers}), "
+                             f"received {self.worker}")
+
+    @classmethod
+    def from_options(cls, **options) -> "TraceConfig":
+        """A config from keyword options; an unknown option is a TypeError naming it and the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"TraceConfig: unknown option(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**options)
+
+
+def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -> dict:
+    """Collect traces into ``out_dir`` with ``config`` (default :class:`TraceConfig`); resumable: finished
+    shards are skipped and ``meta.json`` must agree.
+
+    Stops when every prompt is traced or ``config.max_minutes`` have passed (the shard in progress is
+    finished). Returns :func:`trace_summary` of the directory.
+    """
+    if config is None:
+        config = TraceConfig()
+    if not isinstance(config, TraceConfig):
+        raise TypeError(f"config: expected a TraceConfig, received {type(config).__name__}")
+    c = config
+    target, num_prompts, pool_size, top_k, lattice_k = c.target, c.num_prompts, c.pool_size, c.top_k, c.lattice_k
+    max_new_tokens, max_prompt_tokens, prompts_per_shard = c.max_new_tokens, c.max_prompt_tokens, c.prompts_per_shard
+    seed, exclude_prompts, threads, max_minutes = c.seed, c.exclude_prompts, c.threads, c.max_minutes
+    progress, worker, workers = c.progress, c.worker, c.workers
     from tqdm import tqdm
 
     from taps.cli.common import stop_token_ids
     from taps.data import chat_prompt_ids
     from taps.models.drafter import fast_head_dtype, load_drafter
     from taps.models.target import load_target
+    from taps.paths import portable_path
 
     if threads:
         torch.set_num_threads(threads)
@@ -187,7 +239,7 @@ def collect_traces(out_dir, drafter_dir, target: str = "smollm2", num_prompts: i
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
             "num_prompts": num_prompts, "prompts_per_shard": prompts_per_shard, "decoding": "greedy",
             "num_draft_positions": drafter.config.block_size - 1, "drafter_hidden": drafter.config.hidden_size,
-            "exclude_prompts": exclude_prompts}
+            "exclude_prompts": portable_path(exclude_prompts) if exclude_prompts else None}
     meta_p = out / "meta.json"
     if meta_p.exists():
         old = json.loads(meta_p.read_text())
@@ -312,6 +364,8 @@ def trace_summary(trace_dir) -> dict:
         prompts.update(pi.tolist())
     meta_p = Path(trace_dir) / "meta.json"
     meta = json.loads(meta_p.read_text()) if meta_p.exists() else {}
-    return {"dir": str(trace_dir), "shards": len(shards), "rounds": rounds, "prompts": len(prompts),
+    from taps.paths import portable_path
+
+    return {"dir": portable_path(trace_dir), "shards": len(shards), "rounds": rounds, "prompts": len(prompts),
             "tau_pool": taus / rounds if rounds else None, "bytes": nbytes, "pool_size": meta.get("pool_size"),
             "drafter": meta.get("drafter")}
