@@ -117,3 +117,18 @@ def portable_path(path: PathLike) -> str:
     if rel is not None:
         return f"~/{rel}"
     return f"<external>/{p.name}"
+
+
+def portable_command(argv) -> str:
+    """A command line for records: every argument that is an absolute path (alone or after ``--flag=``)
+    goes through :func:`portable_path`."""
+    import shlex
+
+    out = []
+    for a in argv:
+        a = str(a)
+        flag, eq, val = a.partition("=") if a.startswith("-") else ("", "", a)
+        if val.startswith(("/", "~")):
+            val = portable_path(val)
+        out.append(shlex.quote(flag + eq + val) if not val.startswith("$") else flag + eq + val)
+    return " ".join(out)
