@@ -1,4 +1,5 @@
-"""Triton backend: fused top-K statistics, edge scoring with reach propagation, tree attention.
+"""Triton backend: fused top-K statistics, the best-first pool, reach propagation, subtree selection and
+re-indexing, edge scoring, tree attention: every op of a decode round except the CUDA bookkeeping walks.
 
 Importing this package registers the ``"triton"`` implementations with
 :mod:`taps_kernels.backend` (same call signatures as the references registered in
@@ -12,12 +13,20 @@ except Exception as exc:  # a broken install must disable the backend, not the p
     raise ImportError(f"taps_kernels.triton needs triton: {exc}") from exc
 
 from ..backend import register
+from .best_first_pool import best_first_pool_triton
 from .edge_score import score_edges_triton
+from .propagate_reach import propagate_reach_triton
+from .select_subtree import reindex_subtree_triton, select_subtree_triton
 from .topk_stats import topk_stats_triton
 from .tree_attention import tree_attention_triton
 
 register("topk_stats", "triton")(topk_stats_triton)
+register("best_first_pool", "triton")(best_first_pool_triton)
+register("propagate_reach", "triton")(propagate_reach_triton)
+register("select_subtree", "triton")(select_subtree_triton)
+register("reindex_subtree", "triton")(reindex_subtree_triton)
 register("tree_attention", "triton")(tree_attention_triton)
 register("score_edges", "triton")(score_edges_triton)
 
-__all__ = ["topk_stats_triton", "tree_attention_triton", "score_edges_triton"]
+__all__ = ["topk_stats_triton", "best_first_pool_triton", "propagate_reach_triton", "select_subtree_triton",
+           "reindex_subtree_triton", "tree_attention_triton", "score_edges_triton"]
