@@ -10,7 +10,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <cstdint>
 #include <limits>
@@ -91,6 +93,51 @@ int32_t check_count(const std::string& name, int64_t value, int64_t minimum) {
   return static_cast<int32_t>(value);
 }
 
+// Where-string of a flat row-major index into a [d0, d1, ...] tensor: "[i,j,k]".
+std::string index_str(int64_t flat, at::IntArrayRef sizes) {
+  std::vector<int64_t> idx(sizes.size());
+  for (int64_t k = static_cast<int64_t>(sizes.size()) - 1; k >= 0; --k) {
+    idx[k] = sizes[k] > 0 ? flat % sizes[k] : 0;
+    flat = sizes[k] > 0 ? flat / sizes[k] : 0;
+  }
+  std::string s = "[";
+  for (size_t k = 0; k < idx.size(); ++k) s += (k ? "," : "") + std::to_string(idx[k]);
+  return s + "]";
+}
+
+std::string float_str(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+// Log-probabilities of a contiguous float tensor: -inf allowed, NaN and +inf refused. Entries whose
+// `parents` (same shape, int32) is -1 are ignored when `parents` is given (the root and padding).
+void check_log_values(const at::Tensor& t, const std::string& name, const at::Tensor* parents = nullptr) {
+  const float* x = t.data_ptr<float>();
+  const int32_t* p = parents ? parents->data_ptr<int32_t>() : nullptr;
+  const int64_t n = t.numel();
+  for (int64_t k = 0; k < n; ++k) {
+    if ((std::isnan(x[k]) || x[k] == std::numeric_limits<float>::infinity()) && (!p || p[k] >= 0)) {
+      throw py::value_error(name + index_str(k, t.sizes()) + ": expected a log-probability (finite or -inf), received " +
+                            float_str(x[k]));
+    }
+  }
+}
+
+void check_no_nan(const at::Tensor& t, const std::string& name) {
+  const float* x = t.data_ptr<float>();
+  for (int64_t k = 0; k < t.numel(); ++k) {
+    if (std::isnan(x[k])) throw py::value_error(name + index_str(k, t.sizes()) + ": expected a number, received nan");
+  }
+}
+
+double check_real(const std::string& name, double v, bool finite = true) {
+  if (std::isnan(v)) throw py::value_error(name + ": expected a number, received nan");
+  if (finite && std::isinf(v)) throw py::value_error(name + ": expected a finite float, received " + float_str(v));
+  return v;
+}
+
 // Batch loop: run inline for small batches, where a thread hand-off costs more than the work.
 template <typename F>
 void for_batch(int64_t B, int64_t work_per_row, const F& fn) {
@@ -132,6 +179,8 @@ std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k
   const int64_t B = draft_logits.size(0), D = draft_logits.size(1), V = draft_logits.size(2);
   if (V < 1) throw py::value_error("draft_logits: expected a vocabulary of at least 1, received shape " +
                                    shape_str(draft_logits.sizes()));
+  if (B < 1 || D < 1) throw py::value_error("draft_logits: expected at least one batch row and one draft position, "
+                                            "received shape " + shape_str(draft_logits.sizes()));
   const int32_t K = static_cast<int32_t>(std::min<int64_t>(top_k, V));
   const int32_t K2 = static_cast<int32_t>(std::min<int64_t>(std::max<int32_t>(K, 2), V));  // margin needs two
   py::gil_scoped_release no_gil;
@@ -154,6 +203,15 @@ std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k
       if (V > 1) mp[r] = vp[r * K2] - vp[r * K2 + 1];
     }
   });
+  // A NaN or +inf logit, or a row of -inf only, makes the whole log-softmax row NaN, and NaN ranks first: the
+  // top entry of each row is the whole check (no extra pass over the logits).
+  for (int64_t r = 0; r < B * D; ++r) {
+    if (std::isnan(vp[r * K2])) {
+      throw py::value_error("draft_logits[" + std::to_string(r / D) + "," + std::to_string(r % D) +
+                            "]: a NaN or +inf logit, or every logit -inf; expected finite logits or -inf (an "
+                            "impossible token) with at least one possible token per position");
+    }
+  }
   at::Tensor topk_logp = vals.narrow(2, 0, K).contiguous();
   at::Tensor topk_ids = ids.narrow(2, 0, K).contiguous();
   at::Tensor topk_mass = topk_logp.exp().sum(-1);
@@ -172,8 +230,20 @@ PoolArgs check_pool_args(const at::Tensor& topk_logp, const at::Tensor& topk_ids
   const int64_t B = topk_logp.size(0);
   check_arg(topk_ids, "topk_ids", {at::kLong}, {B, topk_logp.size(1), topk_logp.size(2)});
   check_arg(root_tokens, "root_tokens", {at::kLong}, {B});
-  return {B, check_count("topk_logp.shape[1]", topk_logp.size(1), 0),
-          check_count("topk_logp.shape[2]", topk_logp.size(2), 0), check_count("pool_size", pool_size, 1)};
+  const PoolArgs a{B, check_count("topk_logp.shape[1]", topk_logp.size(1), 0),
+                   check_count("topk_logp.shape[2]", topk_logp.size(2), 0), check_count("pool_size", pool_size, 1)};
+  check_log_values(topk_logp.contiguous(), "topk_logp");
+  const at::Tensor ids = topk_ids.contiguous(), roots = root_tokens.contiguous();
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{ids, "topk_ids"}, {roots, "root_tokens"}}) {
+    const int64_t* v = t.data_ptr<int64_t>();
+    for (int64_t k = 0; k < t.numel(); ++k) {
+      if (v[k] < 0) {
+        throw py::value_error(std::string(name) + index_str(k, t.sizes()) + ": expected a token id >= 0, received " +
+                              std::to_string(v[k]));
+      }
+    }
+  }
+  return a;
 }
 
 void run_pool(const PoolArgs& a, const float* lp, const int64_t* ids, const int64_t* roots, int64_t* tokens,
@@ -250,6 +320,7 @@ at::Tensor propagate_reach(const at::Tensor& parents_in, const at::Tensor& edge_
   if (N < 1) throw py::value_error("parents: expected at least one node, received shape " + shape_str(parents_in.sizes()));
   const at::Tensor parents = parents_in.contiguous(), edge = edge_logq_in.contiguous();
   check_parent_range(parents, "parents");
+  check_log_values(edge, "edge_logq", &parents);
   py::gil_scoped_release no_gil;
   at::Tensor out = at::empty({B, N}, at::kFloat);
   const int32_t* p = parents.data_ptr<int32_t>();
@@ -309,6 +380,7 @@ SelectArgs check_select(const at::Tensor& parents, const at::Tensor& depth, cons
   SelectArgs s{check_tree(parents, depth, num_nodes), at::Tensor(), at::Tensor(), taps::SelectParams()};
   check_arg(log_reach, "log_reach", {at::kFloat}, {s.tree.B, s.tree.N});
   s.log_reach = log_reach.contiguous();
+  check_log_values(s.log_reach, "log_reach", &s.tree.parents);
   s.params.max_nodes = check_count("max_nodes", max_nodes, 1);
   if (rule == "reach") {
     s.params.rule = taps::Rule::kReach;
@@ -325,10 +397,21 @@ SelectArgs check_select(const at::Tensor& parents, const at::Tensor& depth, cons
     s.params.latency = s.latency.data_ptr<double>();
     s.params.latency_len = check_count("latency.shape[0]", s.latency.size(0), 1);
   }
-  s.params.t0 = t0;
-  s.params.lambda_node = lambda_node;
-  s.params.lambda_depth = lambda_depth;
-  s.params.min_utility = min_utility;
+  s.params.t0 = check_real("t0", t0);
+  for (int64_t n = 0; n < s.params.latency_len; ++n) {
+    const double l = s.params.latency[n];
+    if (!std::isfinite(l) || !(t0 + l > 0)) {
+      throw py::value_error("latency[" + std::to_string(n) + "]: expected finite seconds with t0 + latency[n] > 0, "
+                            "received " + float_str(l) + " (t0=" + float_str(t0) + ")");
+    }
+  }
+  s.params.lambda_node = check_real("lambda_node", lambda_node);
+  if (!(lambda_node > 0)) throw py::value_error("lambda_node: expected a float > 0.0, received " + float_str(lambda_node));
+  s.params.lambda_depth = check_real("lambda_depth", lambda_depth);
+  if (!(lambda_depth >= 0)) {
+    throw py::value_error("lambda_depth: expected a float >= 0.0, received " + float_str(lambda_depth));
+  }
+  s.params.min_utility = check_real("min_utility", min_utility, /*finite=*/false);
   return s;
 }
 
@@ -414,6 +497,21 @@ std::vector<at::Tensor> tree_mask(const at::Tensor& parents, const at::Tensor& d
   const TreeArgs t = check_tree(parents, depth, num_nodes);
   check_arg(prefix_lens_in, "prefix_lens", {at::kLong, at::kInt}, {t.B});
   const at::Tensor prefix_lens = prefix_lens_in.to(at::kLong).contiguous();
+  {
+    // prefix + depth must fit in int64: compared as prefix <= INT64_MAX - depth, which cannot overflow.
+    const int64_t* pl = prefix_lens.data_ptr<int64_t>();
+    const int32_t* d = t.depth.data_ptr<int32_t>();
+    for (int64_t b = 0; b < t.B; ++b) {
+      int32_t deepest = 0;
+      for (int64_t i = 0; i < t.N; ++i) deepest = std::max(deepest, d[b * t.N + i]);
+      const int64_t bound = std::numeric_limits<int64_t>::max() - deepest;
+      if (pl[b] < 0 || pl[b] > bound) {
+        throw py::value_error("prefix_lens[" + std::to_string(b) + "]: expected 0 <= prefix_len <= 2**63 - 1 - "
+                              "(deepest node's depth) = " + std::to_string(bound) + ", received " +
+                              std::to_string(pl[b]));
+      }
+    }
+  }
   py::gil_scoped_release no_gil;
   const int64_t W = (t.N + 31) / 32;
   at::Tensor position_ids = at::empty({t.B, t.N}, at::kLong);
@@ -437,7 +535,11 @@ std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens_in, const at::Ten
   const TreeArgs t = check_tree(parents, at::Tensor(), num_nodes);
   check_arg(tokens_in, "tree.tokens", {at::kLong}, {t.B, t.N});
   check_arg(target_in, "target_tokens", {at::kLong}, {t.B, t.N});
-  const int32_t P = check_count("path_len", path_len, 1);
+  if (path_len < 1 || path_len > std::numeric_limits<int32_t>::max() - 1) {
+    throw py::value_error("path_len: expected an int in [1, 2**31 - 2] (max_depth + 1, so max_depth in [0, 2**31 - 3]), "
+                          "received " + std::to_string(path_len) + " (max_depth " + std::to_string(path_len - 1) + ")");
+  }
+  const int32_t P = static_cast<int32_t>(path_len);
   const at::Tensor tokens = tokens_in.contiguous(), target = target_in.contiguous();
   py::gil_scoped_release no_gil;
   at::Tensor path = at::empty({t.B, P}, at::kLong);
@@ -477,12 +579,49 @@ at::Tensor compact_kv(const std::vector<at::Tensor>& keys, const std::vector<at:
                        c.size(3), c.stride(0), c.stride(1), c.stride(2), c.stride(3)});
     }
   }
-  for (size_t i = 0; i < views.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      if (views[i].data == views[j].data) {
-        // Moved twice by this sequential loop but once by a parallel backend: refuse, as the op does.
-        throw py::value_error("keys/values: the same tensor appears more than once; list each cache tensor once");
+  // Tensors written in place must own their memory (as taps_kernels/_checks.py::check_writable_disjoint):
+  // no internal overlap (stride-0 broadcasts), no two tensors whose byte spans intersect. A tensor listed twice
+  // would be moved twice by this sequential loop but once by a parallel backend.
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  std::vector<std::string> names;
+  for (int group = 0; group < 2; ++group) {
+    const auto& list = group == 0 ? keys : values;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const at::Tensor& c = list[i];
+      const std::string name = std::string(group == 0 ? "keys[" : "values[") + std::to_string(i) + "]";
+      if (at::GradMode::is_enabled() && c.requires_grad()) {
+        throw py::value_error(name + ": requires grad, but compact_kv writes it in place without autograd; detach it "
+                              "or run under torch.no_grad()");
       }
+      std::vector<std::pair<int64_t, int64_t>> dims;
+      for (int64_t d = 0; d < c.dim(); ++d) {
+        if (c.size(d) > 1) dims.emplace_back(c.stride(d), c.size(d));
+      }
+      std::sort(dims.begin(), dims.end());
+      int64_t reach = 0;
+      for (const auto& [st, sz] : dims) {
+        if (st <= reach) {
+          throw py::value_error(name + ": a tensor written in place must not overlap itself, received shape " +
+                                shape_str(c.sizes()) + " with strides " + shape_str(c.strides()) +
+                                " (a stride-0 broadcast or interleaved strides)");
+        }
+        reach += (sz - 1) * st;
+      }
+      if (c.numel() == 0) continue;
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(c.data_ptr());
+      const uintptr_t hi = lo + static_cast<uintptr_t>((reach + 1) * c.element_size());
+      for (size_t k = 0; k < spans.size(); ++k) {
+        if (lo < spans[k].second && spans[k].first < hi) {
+          if (lo == spans[k].first && hi == spans[k].second) {
+            throw py::value_error("keys/values: the same tensor appears more than once (" + names[k] + " and " + name +
+                                  "); list each cache tensor once");
+          }
+          throw py::value_error(names[k] + " and " + name + ": their memory overlaps; every cache tensor must have "
+                                "its own memory");
+        }
+      }
+      spans.emplace_back(lo, hi);
+      names.push_back(name);
     }
   }
   check_arg(prefix_lens_in, "prefix_lens", {at::kLong, at::kInt}, {B});
@@ -496,9 +635,9 @@ at::Tensor compact_kv(const std::vector<at::Tensor>& keys, const std::vector<at:
   if (bad >= 0) {
     const int64_t b = bad / P, j = bad % P;
     throw py::value_error("path[" + std::to_string(b) + "," + std::to_string(j) + "]: expected strictly increasing "
-                          "node indices followed by -1 padding, with 0 <= prefix_lens + node < " + std::to_string(L) +
-                          "; received " + std::to_string(pa[bad]) + " (prefix_lens[" + std::to_string(b) + "] = " +
-                          std::to_string(pl[b]) + ")");
+                          "node indices followed by -1 padding, with 0 <= prefix_lens[b] <= L = " + std::to_string(L) +
+                          " and node <= L - 1 - prefix_lens[b]; received " + std::to_string(pa[bad]) +
+                          " (prefix_lens[" + std::to_string(b) + "] = " + std::to_string(pl[b]) + ")");
   }
   py::gil_scoped_release no_gil;
   at::Tensor new_lens = at::empty({B}, at::kLong);
@@ -646,6 +785,10 @@ std::vector<at::Tensor> score_edges(const at::Tensor& tokens_in, const at::Tenso
   check_arg(entropy_in, "pool.entropy", {at::kFloat}, {B, -1});
   const int64_t D = entropy_in.size(1);
   check_count("pool.entropy.shape[1]", D, 0);
+  if (D < 1) {
+    throw py::value_error("pool.entropy: the scorer needs at least one draft position, received shape " +
+                          shape_str(entropy_in.sizes()));
+  }
   check_arg(margin_in, "pool.margin", {at::kFloat}, {B, D});
   check_arg(topk_mass_in, "pool.topk_mass", {at::kFloat}, {B, D});
   const at::Tensor tokens = tokens_in.contiguous(), parents = parents_in.contiguous(), depth = depth_in.contiguous(),
@@ -653,6 +796,11 @@ std::vector<at::Tensor> score_edges(const at::Tensor& tokens_in, const at::Tenso
                    entropy = entropy_in.contiguous(), margin = margin_in.contiguous(),
                    topk_mass = topk_mass_in.contiguous();
   check_parent_range(parents, "pool.tree.parents");
+  check_log_values(logq, "pool.logq", &parents);
+  check_log_values(step_logq, "pool.step_logq", &parents);
+  check_no_nan(entropy, "pool.entropy");
+  check_no_nan(margin, "pool.margin");
+  check_no_nan(topk_mass, "pool.topk_mass");
 
   std::optional<ScorerArgs> scorer;
   taps::TokenTable table;

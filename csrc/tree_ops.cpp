@@ -409,12 +409,13 @@ int64_t accept_greedy_one(const int64_t* tokens, const int32_t* parents, int32_t
 int64_t check_compact_path(const int64_t* path, int64_t B, int64_t P, const int64_t* prefix_lens, int64_t L) {
   for (int64_t b = 0; b < B; ++b) {
     const int64_t* row = path + b * P;
+    const int64_t prefix = prefix_lens[b];
     for (int64_t j = 0; j < P; ++j) {
       const int64_t v = row[j];
       if (v < -1) return b * P + j;
       if (j > 0 && v >= 0 && (row[j - 1] < 0 || v <= row[j - 1])) return b * P + j;
-      if (v >= 0 && prefix_lens[b] + v >= L) return b * P + j;
-      if (v >= 0 && prefix_lens[b] < 0) return b * P + j;
+      // prefix + v < L without forming the sum (it can overflow): prefix in [0, L], then v <= L - 1 - prefix.
+      if (v >= 0 && (prefix < 0 || prefix > L || v > L - 1 - prefix)) return b * P + j;
     }
   }
   return -1;

@@ -112,8 +112,9 @@ struct KVView {
   int64_t stride_b, stride_h, stride_l, stride_d;
 };
 // Path check done before any write: entries are node indices or trailing -1, strictly increasing, and
-// prefix_lens[b] + path[b, j] < L. Returns -1 when valid, else the flat index b * P + j of the first bad
-// entry (row-major).
+// path[b, j] <= L - 1 - prefix_lens[b] with 0 <= prefix_lens[b] <= L (compared without forming
+// prefix + path, which can overflow int64). Returns -1 when valid, else the flat index b * P + j of the
+// first bad entry (row-major).
 int64_t check_compact_path(const int64_t* path, int64_t B, int64_t P, const int64_t* prefix_lens, int64_t L);
 // Moves row prefix_len + path[j] to prefix_len + j for j < n, every head of batch row b. Requires a path
 // that passed check_compact_path (then path[j] >= j, so ascending copies never read an overwritten row).

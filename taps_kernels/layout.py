@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ._checks import check_tensor
+from ._checks import check_tensor, values_checked
 
 
 @dataclass
@@ -59,17 +59,21 @@ class Tree:
     def to(self, device) -> "Tree":
         return Tree(*(getattr(self, f.name).to(device) for f in fields(self)))
 
-    def validate(self, name: str = "tree", vocab_size: Optional[int] = None, deep: bool = True) -> None:
-        """Check shapes, dtypes and (when ``deep``) the structure; raise ValueError/TypeError naming the field.
+    def validate(self, name: str = "tree", vocab_size: Optional[int] = None, deep: Optional[bool] = None,
+                 validate: Optional[str] = None) -> None:
+        """Check shapes, dtypes and devices, and (when deep) the structure; raise ValueError/TypeError naming the field.
 
-        The structural check reads the tensors on the host: it is skipped for
-        CUDA tensors unless ``deep=True`` is forced by the caller (it is the
-        default on CPU only through the ops).
+        The structural check reads the tensor values. ``deep=None`` follows the validation mode
+        (``validate=`` or ``TAPS_VALIDATE``, :mod:`taps_kernels._checks`): by default it runs on CPU trees and is
+        skipped on CUDA trees, where it would synchronise the device. ``deep=True`` forces it, ``deep=False``
+        skips it.
         """
-        validate_tree(self, name=name, vocab_size=vocab_size, deep=deep)
+        validate_tree(self, name=name, vocab_size=vocab_size, deep=deep, validate=validate)
 
 
-def validate_tree(tree: Tree, name: str = "tree", vocab_size: Optional[int] = None, deep: bool = True) -> None:
+def validate_tree(tree: Tree, name: str = "tree", vocab_size: Optional[int] = None, deep: Optional[bool] = None,
+                  validate: Optional[str] = None) -> None:
+    """See :meth:`Tree.validate`."""
     if not isinstance(tree, Tree):
         raise TypeError(f"{name}: expected a taps_kernels.Tree, received {type(tree).__name__}")
     tokens = check_tensor(f"{name}.tokens", tree.tokens, dtypes=(torch.int64,), ndim=2)
@@ -79,7 +83,11 @@ def validate_tree(tree: Tree, name: str = "tree", vocab_size: Optional[int] = No
     check_tensor(f"{name}.parents", tree.parents, dtypes=(torch.int32,), shape=(B, N), device=tokens.device)
     check_tensor(f"{name}.depth", tree.depth, dtypes=(torch.int32,), shape=(B, N), device=tokens.device)
     check_tensor(f"{name}.num_nodes", tree.num_nodes, dtypes=(torch.int32,), shape=(B,), device=tokens.device)
-    if not deep:
+    if N > MAX_NODES:
+        raise ValueError(f"{name}.tokens: expected at most 2**31 - 1 rows (int32 node indices), received {N}")
+    if deep is None:
+        deep = values_checked(validate, tokens.device)
+    if not deep or B == 0:
         return
     if tokens.device.type == "cpu":
         # Fast path: one C++ pass over the batch. It only answers "valid or not"; on a fault the
@@ -128,6 +136,10 @@ def validate_tree(tree: Tree, name: str = "tree", vocab_size: Optional[int] = No
         if bad.any():
             b, i = (int(x) for x in bad.nonzero()[0])
             raise ValueError(f"{name}.tokens[{b},{i}]: token {int(toks[b, i])} is outside the vocabulary [0, {vocab_size})")
+
+
+MAX_NODES = 2 ** 31 - 1
+"""Most rows a tree may have: node indices (``parents``) are int32."""
 
 
 def num_bit_words(num_nodes: int) -> int:

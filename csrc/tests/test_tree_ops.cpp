@@ -2,6 +2,7 @@
 // Expected values are worked out by hand or by brute force written here, never by calling the ops twice.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -371,6 +372,11 @@ void test_compact_kv() {
   CHECK_EQ(taps::check_compact_path(far, B, 4, prefix, L), 5);
   const int64_t neg[] = {0, -2, -1, -1, 0, -1, -1, -1};
   CHECK_EQ(taps::check_compact_path(neg, B, 4, prefix, L), 1);
+  // prefix + node past INT64_MAX must not wrap into the cache (3 + (2^63 - 2) wraps to a small negative).
+  const int64_t wrap[] = {0, -1, -1, -1, 0, INT64_MAX - 1, -1, -1};
+  CHECK_EQ(taps::check_compact_path(wrap, B, 4, prefix, L), 5);
+  const int64_t huge_prefix[] = {INT64_MAX, 3};
+  CHECK_EQ(taps::check_compact_path(path, B, 4, huge_prefix, L), 0);
 }
 
 void test_validate_tree() {

@@ -5,38 +5,69 @@ from typing import Optional
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_tensor
+from .._checks import (FLOAT_DTYPES, check_data_device, check_float, check_prefix_lens, check_tensor,
+                       differentiable_backend, values_checked)
 from ..backend import resolve
 
 
-def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ancestor_bits: torch.Tensor,
-                   prefix_lens: torch.Tensor, scale: Optional[float] = None, return_lse: bool = False,
-                   backend: Optional[str] = None):
-    """Attention of tree-node queries over ``[cached prefix | tree nodes]`` keys.
+def check_tree_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ancestor_bits: torch.Tensor,
+                              prefix_lens: torch.Tensor, check_values: bool):
+    """Metadata checks of :func:`tree_attention` (and, with ``check_values``, the prefix bounds); -> ``(B, Hq, N, Dh, L)``.
 
-    Args:
-        q: ``[B, Hq, N, Dh]`` queries of the N tree nodes.
-        k, v: ``[B, Hkv, L, Dh]``; for row b, keys ``[0, prefix_lens[b])`` are the cached prefix (always
-            visible) and keys ``prefix_lens[b] + j`` (``j < N``) are tree node j (visible by ancestor bits).
-            ``Hq`` must be a multiple of ``Hkv`` (GQA: query head h reads kv head ``h // (Hq // Hkv)``).
-        ancestor_bits: ``[B, N, ceil(N/32)] int32`` from :func:`tree_mask`.
-        prefix_lens: ``[B] int64``, with ``prefix_lens[b] + N <= L``.
-        scale: softmax scale, default ``Dh ** -0.5``.
-    Returns:
-        ``out [B, Hq, N, Dh]`` in q's dtype; with ``return_lse`` also ``lse [B, Hq, N] float32``.
+    Shared with the ``taps::tree_attention`` custom op, which runs it inside its kernel call.
     """
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
     B, Hq, N, Dh = q.shape
+    if Hq < 1:
+        raise ValueError(f"q: expected at least one query head, received shape {tuple(q.shape)}")
+    if Dh < 1:
+        raise ValueError(f"q: expected a head dim >= 1, received shape {tuple(q.shape)}")
     check_tensor("k", k, dtypes=(q.dtype,), shape=(B, None, None, Dh), device=q.device)
     Hkv, L = k.shape[1], k.shape[2]
     check_tensor("v", v, dtypes=(q.dtype,), shape=(B, Hkv, L, Dh), device=q.device)
     if Hkv < 1 or Hq % Hkv != 0:
         raise ValueError(f"k: expected a number of kv heads dividing Hq={Hq}, received {Hkv}")
+    if L < N:
+        raise ValueError(f"k: expected at least N = {N} keys (the tree's own), received shape {tuple(k.shape)}")
     check_tensor("ancestor_bits", ancestor_bits, dtypes=(torch.int32,), shape=(B, N, (N + 31) // 32), device=q.device)
-    check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64, torch.int32), shape=(B,), device=q.device)
-    if (prefix_lens < 0).any() or (prefix_lens + N > L).any():
-        b = int(((prefix_lens < 0) | (prefix_lens + N > L)).nonzero()[0])
-        raise ValueError(f"prefix_lens[{b}]: expected 0 <= prefix_len <= L - N = {L - N}, received {int(prefix_lens[b])}")
+    check_prefix_lens(prefix_lens, B, q.device, check_values=check_values and B > 0,
+                      upper=(L - N, "L - N"))
+    return B, Hq, N, Dh, L
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ancestor_bits: torch.Tensor,
+                   prefix_lens: torch.Tensor, scale: Optional[float] = None, return_lse: bool = False,
+                   backend: Optional[str] = None, validate: Optional[str] = None):
+    """Attention of tree-node queries over ``[cached prefix | tree nodes]`` keys.
+
+    Args:
+        q: ``[B, Hq, N, Dh]`` queries of the N tree nodes (``Hq, Dh >= 1``; ``B = 0`` or ``N = 0`` give empty outputs).
+        k, v: ``[B, Hkv, L, Dh]`` (same shape, q's dtype, ``L >= N``); for row b, keys ``[0, prefix_lens[b])`` are the
+            cached prefix (always visible) and keys ``prefix_lens[b] + j`` (``j < N``) are tree node j (visible by
+            ancestor bits). ``Hq`` must be a multiple of ``Hkv`` (GQA: query head h reads kv head ``h // (Hq // Hkv)``).
+        ancestor_bits: ``[B, N, ceil(N/32)] int32`` from :func:`tree_mask`; bits above the diagonal (``j > i``) are
+            ignored.
+        prefix_lens: ``[B] int64``, with ``0 <= prefix_lens[b] <= L - N`` (a value check, see ``validate``; on a GPU
+            without it, the kernels clamp).
+        scale: softmax scale, a finite float, default ``Dh ** -0.5``.
+        validate: value checks: ``"auto"`` (default, or ``TAPS_VALIDATE``) on CPU tensors only, ``"full"`` on any
+            device, ``"none"`` never (:mod:`taps_kernels._checks`).
+    Non-finite values: NaN in q/k/v propagates to the rows that see it; a row with no visible key gives
+    output 0 and lse ``-inf``, on every backend.
+    Returns:
+        ``out [B, Hq, N, Dh]`` in q's dtype; with ``return_lse`` also ``lse [B, Hq, N] float32``.
+    Differentiable through the reference backend only: when q, k or v requires grad, ``backend=None`` runs the
+    reference and another explicit backend is refused.
+    """
+    B, Hq, N, Dh, L = check_tree_attention_args(q, k, v, ancestor_bits, prefix_lens,
+                                                check_values=values_checked(validate, q.device))
+    check_data_device("q", q)
+    if scale is not None:
+        scale = check_float("scale", scale)
+    backend = differentiable_backend("tree_attention", backend, [("q", q), ("k", k), ("v", v)])
+    if B == 0 or N == 0:
+        out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, N), dtype=torch.float32)
+        return (out, lse) if return_lse else out
     _, fn = resolve("tree_attention", backend, q.device)
     out, lse = fn(q, k, v, ancestor_bits.contiguous(), prefix_lens.long().contiguous(), scale)
     return (out, lse) if return_lse else out

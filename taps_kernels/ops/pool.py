@@ -5,41 +5,83 @@ from typing import Optional
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_positive_int, check_tensor
-from ..backend import resolve
+from .._checks import (FLOAT_DTYPES, check_data_device, check_finite_logits, check_int, check_log_values,
+                       check_no_grad, check_nonempty, check_output_size, check_tensor, differentiable_backend,
+                       first_index, values_checked)
+from ..backend import pool_placement, resolve
 from ..layout import CandidatePool, TopKStats, Tree
 
 
-def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = None) -> TopKStats:
+def _check_logits(draft_logits: torch.Tensor) -> None:
+    check_tensor("draft_logits", draft_logits, dtypes=FLOAT_DTYPES, ndim=3)
+    check_data_device("draft_logits", draft_logits)
+    check_nonempty("draft_logits", draft_logits, [(0, "batch row"), (1, "draft position"), (2, "vocabulary entry")])
+
+
+def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = None,
+               validate: Optional[str] = None) -> TopKStats:
     """Per-position top-K of the draft marginals plus the statistics the scorer reads.
 
     Args:
-        draft_logits: ``[B, D, V]`` float32/float16/bfloat16 logits of the D draft positions.
-        top_k: tokens kept per position; ``K = min(top_k, V)``.
+        draft_logits: ``[B, D, V]`` float32/float16/bfloat16 logits of the D draft positions; ``B, D, V >= 1``.
+            Non-finite values: ``-inf`` is an impossible token (log-prob -inf, ranked last, ties by token id,
+            identical on every backend); NaN and ``+inf`` are refused, and so is a position whose logits are all
+            ``-inf`` (value checks: see ``validate``).
+        top_k: tokens kept per position (an int >= 1, numpy/torch integers accepted); ``K = min(top_k, V)``.
+        validate: ``"auto"`` (default, or ``TAPS_VALIDATE``): value checks on CPU tensors only; ``"full"``: on any
+            device (synchronises a GPU); ``"none"``: none.
     Returns:
         :class:`TopKStats` with ``topk_logp [B,D,K] f32`` (log-softmax values, descending, ties to the
         smallest token id), ``topk_ids [B,D,K] int64``, ``entropy [B,D] f32`` (nats),
         ``margin [B,D] f32`` (top1 - top2 log-prob), ``topk_mass [B,D] f32``.
+    Differentiable through the reference backend only: when ``draft_logits`` requires grad, ``backend=None``
+    runs the reference and another explicit backend is refused.
     """
-    check_tensor("draft_logits", draft_logits, dtypes=FLOAT_DTYPES, ndim=3)
-    check_positive_int("top_k", top_k)
+    _check_logits(draft_logits)
+    top_k = check_int("top_k", top_k)
     B, D, V = draft_logits.shape
-    if D < 1 or V < 1:
-        raise ValueError(f"draft_logits: expected at least one position and one vocabulary entry, received shape {(B, D, V)}")
+    backend = differentiable_backend("topk_stats", backend, [("draft_logits", draft_logits)])
+    if values_checked(validate, draft_logits.device):
+        check_finite_logits("draft_logits", draft_logits)
     _, fn = resolve("topk_stats", backend, draft_logits.device)
-    return TopKStats(*fn(draft_logits, top_k))
+    return TopKStats(*fn(draft_logits, min(top_k, V)))
 
 
-def best_first_pool(stats: TopKStats, root_tokens: torch.Tensor, pool_size: int, backend: Optional[str] = None):
+_POOL_ROW_BYTES = 8 + 4 + 4 + 4 + 4 + 4  # tokens, parents, depth, logq, step_logq, rank per node
+
+
+def best_first_pool(stats: TopKStats, root_tokens: torch.Tensor, pool_size: int, backend: Optional[str] = None,
+                    validate: Optional[str] = None):
     """Assemble the ``pool_size`` highest-mass prefixes from a :class:`TopKStats` lattice.
 
+    Args:
+        stats: :class:`TopKStats` with ``topk_logp [B,D,K]`` float (log-probs: finite or -inf, NaN and +inf
+            refused) and ``topk_ids [B,D,K] int64`` (>= 0); ``B, D, K >= 1``.
+        root_tokens: ``[B] int64`` (>= 0).
+        pool_size: non-root nodes (an int in ``[1, 2**31 - 2]``).
+        validate: value checks, as in :func:`topk_stats`.
     Returns ``(Tree, logq, step_logq, rank)``; ``N = pool_size + 1`` rows, nodes in pop order
     (non-increasing ``logq``, a valid topological order). Ties: smaller parent index, then smaller rank.
+    No backward: a ``topk_logp`` that requires grad (grad mode on) is refused.
     """
-    check_positive_int("pool_size", pool_size)
+    if not isinstance(stats, TopKStats):
+        raise TypeError(f"stats: expected a taps_kernels.TopKStats, received {type(stats).__name__}")
+    check_tensor("stats.topk_logp", stats.topk_logp, dtypes=FLOAT_DTYPES, ndim=3)
+    dev = check_data_device("stats.topk_logp", stats.topk_logp)
+    check_nonempty("stats.topk_logp", stats.topk_logp, [(0, "batch row"), (1, "draft position"), (2, "top-K entry")])
     B, D, K = stats.topk_logp.shape
-    check_tensor("root_tokens", root_tokens, dtypes=(torch.int64,), shape=(B,), device=stats.topk_logp.device)
-    _, fn = resolve("best_first_pool", backend, stats.topk_logp.device)
+    check_tensor("stats.topk_ids", stats.topk_ids, dtypes=(torch.int64,), shape=(B, D, K), device=dev)
+    pool_size = check_int("pool_size", pool_size)
+    check_tensor("root_tokens", root_tokens, dtypes=(torch.int64,), shape=(B,), device=dev)
+    check_output_size("pool_size", pool_size, B * (pool_size + 1) * _POOL_ROW_BYTES, dev)
+    check_no_grad("best_first_pool", [("stats.topk_logp", stats.topk_logp)])
+    if values_checked(validate, dev):
+        check_log_values("stats.topk_logp", stats.topk_logp)
+        for name, ids in (("stats.topk_ids", stats.topk_ids), ("root_tokens", root_tokens)):
+            if bool((ids < 0).any()):
+                idx = first_index(ids < 0)
+                raise ValueError(f"{name}[{','.join(map(str, idx))}]: expected a token id >= 0, received {int(ids[idx])}")
+    _, fn = resolve("best_first_pool", backend, dev, pool_size=pool_size)
     tokens, parents, depth, num_nodes, logq, step_logq, rank = fn(stats.topk_logp.float().contiguous(),
                                                                   stats.topk_ids.contiguous(), root_tokens.contiguous(),
                                                                   pool_size)
@@ -47,7 +89,8 @@ def best_first_pool(stats: TopKStats, root_tokens: torch.Tensor, pool_size: int,
 
 
 def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k: int, pool_size: int,
-                   backend: Optional[str] = None, pool_backend: Optional[str] = None) -> CandidatePool:
+                   backend: Optional[str] = None, pool_backend: Optional[str] = None,
+                   validate: Optional[str] = None) -> CandidatePool:
     """Build the candidate pool of a draft block.
 
     Args:
@@ -56,28 +99,38 @@ def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k:
         top_k: tokens per position (``>= 1``; clamped to V).
         pool_size: non-root nodes in the pool (``>= 1``). With ``pool_size = B`` this is the DDTree tree of budget B.
         backend: backend of the top-K pass; ``pool_backend`` of the best-first search (default: same rule).
+        validate: value checks (non-finite logits, root token range), as in :func:`topk_stats`.
+    Non-finite logits follow :func:`topk_stats`; no backward (``draft_logits`` requiring grad is refused).
     Returns:
         :class:`CandidatePool`: ``.tree`` (``N = pool_size + 1`` rows, see ``taps_kernels.layout``),
         ``.logq``/``.step_logq [B,N] f32``, ``.rank [B,N] int32`` and the per-position statistics.
     """
-    check_tensor("draft_logits", draft_logits, dtypes=FLOAT_DTYPES, ndim=3)
+    _check_logits(draft_logits)
     B = draft_logits.shape[0]
     check_tensor("root_tokens", root_tokens, dtypes=(torch.int64,), shape=(B,), device=draft_logits.device)
-    check_positive_int("top_k", top_k)
-    check_positive_int("pool_size", pool_size)
+    top_k = check_int("top_k", top_k)
+    pool_size = check_int("pool_size", pool_size)
+    check_output_size("pool_size", pool_size, B * (pool_size + 1) * _POOL_ROW_BYTES, draft_logits.device)
+    check_no_grad("candidate_pool", [("draft_logits", draft_logits)])
     V = draft_logits.shape[2]
-    bad = (root_tokens < 0) | (root_tokens >= V)
-    if bad.any():
-        b = int(bad.nonzero()[0])
-        raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is outside the vocabulary [0, {V})")
-    stats = topk_stats(draft_logits, top_k, backend=backend)
+    if values_checked(validate, draft_logits.device):
+        bad = (root_tokens < 0) | (root_tokens >= V)
+        if bool(bad.any()):
+            (b,) = first_index(bad)
+            raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is outside the vocabulary [0, {V})")
+    stats = topk_stats(draft_logits, top_k, backend=backend, validate=validate)
+    # The lattice comes from checked (or, under validate="none" / on a GPU, trusted) logits: no second scan.
+    validate = "none"
     pool_device = stats.topk_logp.device
-    if pool_backend in (None, "cpp", "reference") and pool_device.type == "cuda" and pool_backend is not None:
+    pool_backend, search_device = pool_placement(pool_backend, pool_device, pool_size)
+    if search_device != pool_device:
         stats_host = TopKStats(*(t.cpu() for t in (stats.topk_logp, stats.topk_ids, stats.entropy, stats.margin,
                                                    stats.topk_mass)))
-        tree, logq, step_logq, rank = best_first_pool(stats_host, root_tokens.cpu(), pool_size, backend=pool_backend)
+        tree, logq, step_logq, rank = best_first_pool(stats_host, root_tokens.cpu(), pool_size, backend=pool_backend,
+                                                       validate=validate)
         tree, logq, step_logq, rank = tree.to(pool_device), logq.to(pool_device), step_logq.to(pool_device), rank.to(pool_device)
     else:
-        tree, logq, step_logq, rank = best_first_pool(stats, root_tokens, pool_size, backend=pool_backend)
+        tree, logq, step_logq, rank = best_first_pool(stats, root_tokens, pool_size, backend=pool_backend,
+                                                       validate=validate)
     return CandidatePool(tree, logq, step_logq, rank, stats.topk_logp, stats.topk_ids, stats.entropy, stats.margin,
                          stats.topk_mass)
