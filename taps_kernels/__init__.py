@@ -8,9 +8,9 @@ Public ops (shapes, dtypes and node order in each docstring; tree layout in
 :func:`score_edges` (weights: :class:`ScorerWeights`), and :func:`rows_linear` (few-row
 linear layers for verify forwards on CPU).
 Every op takes ``backend=`` ("reference", "cpp", "triton", "cuda"); the default
-is chosen in :mod:`taps_kernels.backend`.
+is chosen in :mod:`taps_kernels.backend`, and :func:`explain` says which and why.
 """
-from .backend import BackendUnavailable, available_backends, warn_if_cpp_missing
+from .backend import BackendUnavailable, available_backends, explain, warn_if_cpp_missing
 from .layout import CandidatePool, Selection, TopKStats, Tree
 from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool, candidate_pool, compact_kv,
                   propagate_reach, rows_linear, score_edges, select_subtree, topk_stats, tree_attention,
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 warn_if_cpp_missing()
 
 __all__ = [
-    "Tree", "CandidatePool", "TopKStats", "Selection", "BackendUnavailable", "available_backends",
+    "Tree", "CandidatePool", "TopKStats", "Selection", "BackendUnavailable", "available_backends", "explain",
     "candidate_pool", "topk_stats", "best_first_pool", "propagate_reach", "select_subtree", "tree_mask",
     "ancestor_bits_to_additive_mask", "tree_attention", "accept_greedy", "compact_kv",
     "score_edges", "ScorerWeights", "rows_linear",

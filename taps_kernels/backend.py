@@ -1,4 +1,4 @@
-"""The one place that decides which implementation of an op runs, and says why when it cannot.
+"""The one place that decides which implementation of an op runs, and says why (or why not).
 
 Backends:
 
@@ -8,45 +8,119 @@ Backends:
   was set before ``taps_kernels`` was imported (the interpreter: slow, for tests).
 * ``"cuda"``: the CUDA extension ``taps_kernels._C_cuda``; CUDA tensors only.
 
-Default choice (``backend=None``), per op, from the tensors' device:
-CUDA -> the op's GPU preference order (Triton for the fused math, CUDA for the
-bookkeeping walks), CPU -> ``cpp`` then ``reference``. The interpreter is never a
-default: it is orders of magnitude slower than the reference. ``TAPS_BACKEND``
-(environment) replaces the default for every op that has that backend.
+Default choice (``backend=None``): the op's row of :data:`PREFERENCES` for the tensors' device, first
+available entry wins, ``reference`` last. The table gives each choice its one-line reason;
+:func:`explain` prints it with every backend that cannot run and why. The interpreter is never a default:
+it is orders of magnitude slower than the reference. ``TAPS_BACKEND`` (environment) replaces the default
+for every op that has that backend and can run the call. Implementations register in
+:mod:`taps_kernels._registry`; this module imports them lazily (:mod:`taps_kernels.impls`) on first use.
 """
 from __future__ import annotations
 
 import importlib
 import os
 import warnings
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-BACKENDS = ("reference", "cpp", "triton", "cuda")
+from . import _registry
+from ._registry import BACKENDS
+
+_IMPLS = _registry.IMPLS
+_SUPPORTS = _registry.SUPPORTS
+
+
+def register(op: str, backend: str, supports: Optional[Callable[..., str]] = None):
+    """Decorator: register ``fn`` as the ``backend`` implementation of ``op`` (see :mod:`taps_kernels._registry`)."""
+    return _registry.register(op, backend, supports, table=_IMPLS)
 
 
 class BackendUnavailable(RuntimeError):
     """Raised when an explicitly requested backend cannot run an op; the message says why."""
 
 
-_IMPLS: Dict[Tuple[str, str], Callable] = {}
-_GPU_ORDER: Dict[str, Tuple[str, ...]] = {}
-_CPU_ORDER = ("cpp", "reference")
+# --- the preference table ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Preference:
+    """Default order of one op per device type, each with the reason (``reference`` always ends the order)."""
+
+    cuda: Tuple[str, ...]
+    cuda_why: str
+    cpu: Tuple[str, ...] = ("cpp",)
+    cpu_why: str = "C++ loops without per-node Python; bit-identical to the reference"
+    example: Dict[str, object] = field(default_factory=dict)  # call context explain() shows for per-call rules
 
 
-def register(op: str, backend: str, gpu_order: Optional[Tuple[str, ...]] = None):
-    """Decorator: register ``fn`` as the ``backend`` implementation of ``op``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, received {backend!r}")
+_NO_SYNC = "no host synchronisation"
 
-    def deco(fn):
-        _IMPLS[(op, backend)] = fn
-        if gpu_order is not None:
-            _GPU_ORDER[op] = gpu_order
-        return fn
+PREFERENCES: Dict[str, Preference] = {
+    "topk_stats": Preference(
+        ("triton",), "fused log-softmax + top-K + statistics: one read of the [B,D,V] logits",
+        cpu_why="C++ partial selection per position instead of a full vocabulary sort"),
+    "best_first_pool": Preference(
+        ("triton",), f"one program per request, frontier in registers (pools up to 1024 nodes), {_NO_SYNC}; "
+        "a one-copy host search (cpp) was not measured on a GPU yet; larger pools search on the host "
+        "(candidate_pool copies the top-K lattice once)",
+        cpu_why="C++ heap search; the reference pays a Python heap operation per node"),
+    "propagate_reach": Preference(
+        ("triton",), f"one program per tree, float32 sums in the reference's order, {_NO_SYNC}"),
+    "select_subtree": Preference(
+        ("triton",), f"ranks, throughput size (latency table on the device) and greedy utility per tree, "
+        f"{_NO_SYNC}"),
+    "reindex_subtree": Preference(
+        ("triton",), "one launch (gather + binary search) instead of a dozen torch ops; the reference runs "
+        "on any device too"),
+    "tree_mask": Preference(("cuda",), f"plain CUDA kernel, one block per tree, {_NO_SYNC}"),
+    "tree_attention": Preference(
+        ("triton",), "flash-style attention over the packed ancestor bits",
+        cpu=(), cpu_why="no C++ kernel: torch's matmuls under the reference's mask"),
+    "accept_greedy": Preference(("cuda",), f"plain CUDA walk, one block per request, {_NO_SYNC}"),
+    "compact_kv": Preference(("cuda",), "one CUDA launch moves the accepted rows of every layer in place"),
+    "score_edges": Preference(
+        ("triton",), "the edge MLP spread over the GPU, then one program per tree normalises and propagates",
+        cpu_why="C++ scorer (matches the reference within float32 tolerance)"),
+    # Few-row linear layers (taps_kernels.rows_linear). Measured on the 2-core AVX-512 CPU of this project
+    # (bench/results/rows_linear_cpu.json, 1 thread): torch's linear runs BLAS sgemm, which from 2 rows on costs
+    # about twice its 1-row sgemv although both only stream the weights (SmolLM2's LM head: 11.5 ms at 1 row,
+    # 20-26 ms at 2-16); the C++ kernel streams each weight row once for all rows (8.7 ms at 1 row, 10-13 at
+    # 2-8, 17 at 16), so a whole SmolLM2 forward over 4-8 new rows takes 81 ms instead of 105-114 (75 at 1 row).
+    # At 32 rows it is still ~10% ahead; at 64 even, and prefill sizes are BLAS's. Without AVX-512 the C++
+    # kernel is plain loops, slower than BLAS; on GPUs cuBLAS.
+    "rows_linear": Preference(
+        (), "cuBLAS (torch's linear): the few-row kernel is a CPU answer to BLAS sgemm at small M",
+        cpu_why="per call: the C++ kernel for 1..32 float32 rows on an AVX-512 CPU (half of sgemm's time at "
+        "2-16 rows), torch's linear otherwise",
+        example={"rows": 1, "dtype": torch.float32}),
+}
 
-    return deco
+ROWS_LINEAR_MAX_ROWS = 32
+
+
+def _rows_linear_wants_cpp(rows: Optional[int], dtype: Optional[torch.dtype]) -> bool:
+    if dtype != torch.float32 or rows is None or not 1 <= rows <= ROWS_LINEAR_MAX_ROWS:
+        return False
+    mod, _ = load_extension("_C")
+    return mod is not None and bool(mod.rows_linear_vectorized())
+
+
+def preferred_backends(op: str, device, **context) -> Tuple[str, ...]:
+    """The default order for ``op`` on ``device`` (before availability), ``reference`` last.
+
+    ``context`` carries what a per-call rule reads: ``rows``/``dtype`` for ``rows_linear``."""
+    device = torch.device(device)
+    pref = PREFERENCES.get(op)
+    if pref is None:
+        order: Tuple[str, ...] = ("triton", "cuda") if device.type == "cuda" else ("cpp",)
+    elif device.type == "cuda":
+        order = pref.cuda
+    elif op == "rows_linear":
+        order = ("cpp",) if _rows_linear_wants_cpp(context.get("rows"), context.get("dtype")) else ()
+    else:
+        order = pref.cpu
+    return order + ("reference",)
 
 
 # --- availability -----------------------------------------------------------------------------------------------
@@ -82,24 +156,30 @@ def _triton_reason(device: torch.device) -> str:
             f"received tensors on {device}")
 
 
-def unavailable_reason(backend: str, device: torch.device, op: Optional[str] = None) -> str:
-    """Empty string when ``backend`` can run ``op`` on ``device``; otherwise why not."""
+def unavailable_reason(backend: str, device, op: Optional[str] = None, **context) -> str:
+    """Empty string when ``backend`` can run ``op`` on ``device`` (for this call ``context``); otherwise why not."""
+    device = torch.device(device)
     if backend not in BACKENDS:
         return f"unknown backend {backend!r}; expected one of {BACKENDS}"
-    if op is not None and (op, backend) not in _IMPLS:
+    # the backend as a whole first (wrong device, extension not built): a module that failed to import
+    # registered nothing, and "no implementation" would hide why
+    if backend == "reference":
+        why = ""
+    elif backend == "cpp":
+        why = (f"the C++ backend runs on CPU tensors, received tensors on {device}" if device.type != "cpu"
+               else load_extension("_C")[1])
+    elif backend == "cuda":
+        why = (f"the CUDA backend runs on CUDA tensors, received tensors on {device}" if device.type != "cuda"
+               else load_extension("_C_cuda")[1])
+    else:
+        why = _triton_reason(device)
+    if why or op is None:
+        return why
+    _ensure_registered()
+    if (op, backend) not in _IMPLS:
         have = sorted(b for (o, b) in _IMPLS if o == op)
         return f"op {op!r} has no {backend!r} implementation (available: {have})"
-    if backend == "reference":
-        return ""
-    if backend == "cpp":
-        if device.type != "cpu":
-            return f"the C++ backend runs on CPU tensors, received tensors on {device}"
-        return load_extension("_C")[1]
-    if backend == "cuda":
-        if device.type != "cuda":
-            return f"the CUDA backend runs on CUDA tensors, received tensors on {device}"
-        return load_extension("_C_cuda")[1]
-    return _triton_reason(device)
+    return _SUPPORTS[(op, backend)](**context) if (op, backend) in _SUPPORTS else ""
 
 
 def has_impl(op: str, backend: str) -> bool:
@@ -108,50 +188,111 @@ def has_impl(op: str, backend: str) -> bool:
     return (op, backend) in _IMPLS
 
 
-def resolve(op: str, backend: Optional[str], device: torch.device) -> Tuple[str, Callable]:
-    """Pick the implementation of ``op`` for tensors on ``device``; return ``(backend name, callable)``."""
+def _choose(op: str, device: torch.device, context) -> Tuple[str, str]:
+    """``(backend, reason)`` of the default for ``op`` on ``device``."""
+    env = os.environ.get("TAPS_BACKEND")
+    if env and (op, env) in _IMPLS and not unavailable_reason(env, device, op, **context):
+        return env, f"TAPS_BACKEND={env} overrides the default"
+    pref = PREFERENCES.get(op)
+    why = (pref.cuda_why if device.type == "cuda" else pref.cpu_why) if pref else "no preference recorded"
+    skipped = []
+    for name in preferred_backends(op, device, **context):
+        reason = unavailable_reason(name, device, op, **context)
+        if not reason:
+            if skipped:
+                return name, "fallback: " + "; ".join(skipped)
+            return name, why if name != "reference" else "the reference is the default here: " + why
+        skipped.append(f"{name} unavailable ({reason})")
+    return "reference", "fallback: " + "; ".join(skipped)
+
+
+def resolve(op: str, backend: Optional[str], device, **context) -> Tuple[str, Callable]:
+    """Pick the implementation of ``op`` for tensors on ``device``; return ``(backend name, callable)``.
+
+    ``context`` is what a per-call rule or a size limit reads (``rows``/``dtype`` for ``rows_linear``,
+    ``pool_size`` for ``best_first_pool``). An explicit ``backend`` that cannot run raises
+    :class:`BackendUnavailable` with the reason."""
     _ensure_registered()
+    device = torch.device(device)
     if backend is None:
-        env = os.environ.get("TAPS_BACKEND")
-        if env and (op, env) in _IMPLS and not unavailable_reason(env, device, op):
-            return env, _IMPLS[(op, env)]
-        order = _GPU_ORDER.get(op, ("triton", "cuda")) + ("reference",) if device.type == "cuda" else _CPU_ORDER
-        for name in order:
-            if (op, name) in _IMPLS and not unavailable_reason(name, device, op):
-                return name, _IMPLS[(op, name)]
-        return "reference", _IMPLS[(op, "reference")]
-    why = unavailable_reason(backend, device, op)
+        name, _ = _choose(op, device, context)
+        return name, _IMPLS[(op, name)]
+    why = unavailable_reason(backend, device, op, **context)
     if why:
         raise BackendUnavailable(f"backend={backend!r} cannot run {op}: {why}")
     return backend, _IMPLS[(op, backend)]
 
 
-# Few-row linear layers (taps_kernels.rows_linear). Measured on the 2-core AVX-512 CPU of this project
-# (bench/results/rows_linear_cpu.json, 1 thread): torch's linear runs BLAS sgemm, which from 2 rows on costs
-# about twice its 1-row sgemv although both only stream the weights (SmolLM2's LM head: 11.5 ms at 1 row,
-# 20-26 ms at 2-16); the C++ kernel streams each weight row once for all rows (8.7 ms at 1 row, 10-13 at
-# 2-8, 17 at 16), so a whole SmolLM2 forward over 4-8 new rows takes 81 ms instead of 105-114 (75 at 1 row).
-# At 32 rows it is still ~10% ahead; at 64 even, and prefill sizes are BLAS's. Without AVX-512 the C++
-# kernel is plain loops, slower than BLAS; on GPUs cuBLAS.
-ROWS_LINEAR_MAX_ROWS = 32
+def rows_linear_backend(rows: int, device, dtype: torch.dtype) -> str:
+    """Default backend of ``rows_linear`` for ``rows`` rows of ``dtype`` on ``device``: :func:`resolve` with
+    the measured rule of the ``rows_linear`` row of :data:`PREFERENCES` (``TAPS_BACKEND`` overrides it)."""
+    return resolve("rows_linear", None, device, rows=rows, dtype=dtype)[0]
 
 
-def rows_linear_backend(rows: int, device: torch.device, dtype: torch.dtype) -> str:
-    """Default backend of ``rows_linear`` for ``rows`` rows of ``dtype`` on ``device`` (reasons above;
-    ``TAPS_BACKEND`` overrides it as for every op)."""
-    env = os.environ.get("TAPS_BACKEND")
-    if env in ("reference", "cpp") and not unavailable_reason(env, device):
-        return env
-    if device.type != "cpu" or dtype != torch.float32 or not 1 <= rows <= ROWS_LINEAR_MAX_ROWS:
-        return "reference"
-    mod, _ = load_extension("_C")
-    return "cpp" if mod is not None and mod.rows_linear_vectorized() else "reference"
+def pool_placement(pool_backend: Optional[str], device, pool_size: int) -> Tuple[str, torch.device]:
+    """Where ``candidate_pool`` runs its best-first search: ``(backend, device)``.
+
+    On CUDA the default is the device kernel (no synchronisation; see the ``best_first_pool`` row of
+    :data:`PREFERENCES`). A host backend (``cpp``/``reference``, asked for or the fallback for a pool the
+    kernel cannot hold) searches on the CPU: the caller copies the top-K lattice there and the pool back."""
+    device = torch.device(device)
+    name = pool_backend if pool_backend is not None else resolve("best_first_pool", None, device,
+                                                                 pool_size=pool_size)[0]
+    if device.type == "cuda" and name in ("cpp", "reference"):
+        host = torch.device("cpu")
+        if pool_backend is None:
+            name = resolve("best_first_pool", None, host, pool_size=pool_size)[0]
+        return name, host
+    return name, device
 
 
-def available_backends(op: str, device: torch.device) -> Dict[str, str]:
+def available_backends(op: str, device) -> Dict[str, str]:
     """``{backend: reason}`` for every backend; an empty reason means available."""
     _ensure_registered()
     return {b: unavailable_reason(b, device, op) for b in BACKENDS}
+
+
+# --- explanation --------------------------------------------------------------------------------------------------
+
+def explain_dict(op: Optional[str] = None, device="cpu") -> Dict[str, Dict[str, object]]:
+    """For ``op`` (default: every op in :data:`PREFERENCES`) on ``device``:
+    ``{op: {"backend": chosen, "why": reason, "order": default order, "unavailable": {backend: reason}}}``.
+    Per-call rules (``rows_linear``) are evaluated at the row's ``example`` context, shown as ``"context"``."""
+    _ensure_registered()
+    device = torch.device(device)
+    ops = [op] if op is not None else list(PREFERENCES)
+    out: Dict[str, Dict[str, object]] = {}
+    for name in ops:
+        if name not in PREFERENCES and not any(o == name for (o, _) in _IMPLS):
+            raise ValueError(f"op: expected one of {sorted(PREFERENCES)}, received {name!r}")
+        pref = PREFERENCES.get(name)
+        context = dict(pref.example) if pref else {}
+        chosen, why = _choose(name, device, context)
+        entry: Dict[str, object] = {
+            "backend": chosen, "why": why, "order": list(preferred_backends(name, device, **context)),
+            "unavailable": {b: r for b in BACKENDS if (r := unavailable_reason(b, device, name, **context))},
+        }
+        if context:
+            entry["context"] = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+                                for k, v in context.items()}
+        out[name] = entry
+    return out
+
+
+def explain(op: Optional[str] = None, device="cpu") -> str:
+    """Human-readable :func:`explain_dict`: one line per op with its backend and why, then each backend that
+    cannot run it and why."""
+    device = torch.device(device)
+    lines = [f"taps_kernels backends on {device}"
+             + ("" if device.type != "cuda" or torch.cuda.is_available() else " (no CUDA device visible here)")
+             + (f"; TAPS_BACKEND={os.environ['TAPS_BACKEND']}" if os.environ.get("TAPS_BACKEND") else "") + ":"]
+    for name, entry in explain_dict(op, device).items():
+        ctx = entry.get("context")
+        at = f" (at {', '.join(f'{k}={v}' for k, v in ctx.items())})" if ctx else ""
+        lines.append(f"  {name}: {entry['backend']}{at} - {entry['why']}")
+        for b, reason in entry["unavailable"].items():
+            lines.append(f"      {b}: unavailable - {reason}")
+    return "\n".join(lines)
 
 
 _REGISTERED = False

@@ -19,7 +19,7 @@ try:
 except Exception as exc:  # ImportError, or an ABI mismatch surfacing as OSError
     raise ImportError(f"taps_kernels._C is not available ({type(exc).__name__}: {exc})") from exc
 
-from .backend import register
+from ._registry import register
 
 
 @register("topk_stats", "cpp")

@@ -1,0 +1,146 @@
+"""Backend choice: one table in taps_kernels.backend, explained by ``explain``; overrides, limits, no import cycle."""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import taps_kernels as tk
+from taps_kernels import backend as bk
+from taps_kernels.reference.pool import best_first_pool_reference
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+ROUND_OPS = ("topk_stats", "best_first_pool", "propagate_reach", "select_subtree", "reindex_subtree", "score_edges",
+             "tree_attention")
+LOOP_REFERENCES = ("best_first_pool", "propagate_reach", "select_subtree")  # references with per-node Python loops
+
+
+def test_every_registered_op_has_a_row_with_reasons():
+    bk._ensure_registered()
+    registered = {op for (op, _) in bk._IMPLS}
+    assert registered <= set(bk.PREFERENCES), registered - set(bk.PREFERENCES)
+    loaded = {b for (_, b) in bk._IMPLS}  # backends whose module imported here (the CUDA extension may not)
+    for op, pref in bk.PREFERENCES.items():
+        assert pref.cuda_why and pref.cpu_why, op
+        for name in pref.cuda + pref.cpu:
+            assert name in bk.BACKENDS and name != "reference", (op, name)
+            if name in loaded:
+                assert bk.has_impl(op, name), f"{op}: preferred backend {name!r} has no implementation"
+
+
+def test_explain_names_each_choice_and_every_unavailable_backend(monkeypatch):
+    monkeypatch.delenv("TAPS_BACKEND", raising=False)
+    for device in ("cpu", "cuda"):
+        table = bk.explain_dict(device=device)
+        text = tk.explain(device=device)
+        assert set(table) == set(bk.PREFERENCES)
+        for op, entry in table.items():
+            ctx = entry.get("context", {})
+            dtype = getattr(torch, ctx["dtype"]) if "dtype" in ctx else None
+            chosen = bk.resolve(op, None, torch.device(device), **{**ctx, **({"dtype": dtype} if dtype else {})})[0]
+            assert entry["backend"] == chosen, op
+            assert entry["why"], op
+            assert f"  {op}: {chosen}" in text, op
+            assert entry["why"] in text
+            for name in bk.BACKENDS:
+                reason = bk.unavailable_reason(name, device, op, **{**ctx, **({"dtype": dtype} if dtype else {})})
+                assert (name in entry["unavailable"]) == bool(reason), (op, name)
+                if reason:
+                    assert f"      {name}: unavailable - {reason}" in text
+    one = bk.explain_dict("best_first_pool", device="cuda")
+    assert list(one) == ["best_first_pool"]
+    assert "not measured on a GPU" in one["best_first_pool"]["why"]
+    with pytest.raises(ValueError, match="op"):
+        bk.explain_dict("no_such_op")
+
+
+def test_no_python_loop_reference_on_a_device_with_triton(monkeypatch):
+    """The preference function puts a device kernel first for every op of a decode round on CUDA; where triton is
+    importable (CPU-only here, so CUDA is faked) resolve picks it, never a per-node Python reference."""
+    monkeypatch.delenv("TAPS_BACKEND", raising=False)
+    for op in ROUND_OPS:
+        assert bk.preferred_backends(op, CUDA)[0] == "triton", op
+    for op in ("tree_mask", "accept_greedy", "compact_kv"):
+        assert bk.preferred_backends(op, CUDA)[0] == "cuda", op
+    if bk.unavailable_reason("triton", CUDA):
+        pytest.skip(f"triton unavailable: {bk.unavailable_reason('triton', CUDA)}")
+    for op in ROUND_OPS:
+        assert bk.resolve(op, None, CUDA)[0] == "triton", op
+    assert bk.resolve("best_first_pool", None, CUDA, pool_size=1024)[0] == "triton"
+    # a pool the kernel cannot hold: the fallback is named, and candidate_pool searches it on the host in C++
+    assert bk.resolve("best_first_pool", None, CUDA, pool_size=1025)[0] == "reference"
+    assert "1024" in bk.unavailable_reason("triton", CUDA, "best_first_pool", pool_size=1025)
+    with pytest.raises(bk.BackendUnavailable, match="1024"):
+        bk.resolve("best_first_pool", "triton", CUDA, pool_size=1025)
+    host = "cpp" if not bk.unavailable_reason("cpp", CPU) else "reference"
+    assert bk.pool_placement(None, CUDA, 1025) == (host, CPU)
+    assert bk.pool_placement(None, CUDA, 64) == ("triton", CUDA)
+
+
+def test_pool_placement_rules(monkeypatch):
+    monkeypatch.delenv("TAPS_BACKEND", raising=False)
+    assert bk.pool_placement("cpp", CUDA, 64) == ("cpp", CPU)            # asked for: one copy to the host
+    assert bk.pool_placement("reference", CUDA, 64) == ("reference", CPU)
+    assert bk.pool_placement("reference", CPU, 64) == ("reference", CPU)
+    assert bk.pool_placement(None, CPU, 64) == (bk.resolve("best_first_pool", None, CPU)[0], CPU)
+
+
+def test_taps_backend_override(monkeypatch):
+    monkeypatch.setenv("TAPS_BACKEND", "reference")
+    for op in bk.PREFERENCES:
+        assert bk.resolve(op, None, CPU)[0] == "reference", op
+        assert bk.resolve(op, None, CUDA)[0] == "reference", op
+    assert "TAPS_BACKEND=reference" in tk.explain("propagate_reach")
+    assert bk.rows_linear_backend(4, CPU, torch.float32) == "reference"
+    # an override that cannot run a call is ignored for that call (the default runs), not an error
+    monkeypatch.delenv("TAPS_BACKEND")
+    default = {op: bk.resolve(op, None, CPU)[0] for op in bk.PREFERENCES}
+    monkeypatch.setenv("TAPS_BACKEND", "cuda")
+    assert {op: bk.resolve(op, None, CPU)[0] for op in bk.PREFERENCES} == default
+    if not bk.unavailable_reason("triton", CPU):  # interpreter on: the override reaches the Triton kernels on CPU
+        monkeypatch.setenv("TAPS_BACKEND", "triton")
+        assert bk.resolve("select_subtree", None, CPU)[0] == "triton"
+        assert bk.resolve("tree_mask", None, CPU)[0] == default["tree_mask"]  # no Triton tree_mask
+        calls = []
+        real = bk._IMPLS[("best_first_pool", "triton")]
+        monkeypatch.setitem(bk._IMPLS, ("best_first_pool", "triton"), lambda *a: calls.append(1) or real(*a))
+        pool = tk.candidate_pool(torch.randn(1, 3, 20), torch.tensor([1]), 4, 12)
+        assert calls == [1]
+        want = best_first_pool_reference(pool.topk_logp, pool.topk_ids, torch.tensor([1]), 12)
+        assert torch.equal(pool.tree.parents, want[1]) and torch.equal(pool.tree.tokens, want[0])
+
+
+def test_rows_linear_choice_goes_through_resolve(monkeypatch):
+    monkeypatch.delenv("TAPS_BACKEND", raising=False)
+    calls = []
+    real = bk.resolve
+    monkeypatch.setattr(bk, "resolve", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    assert bk.rows_linear_backend(500, CPU, torch.float32) == "reference"  # prefill sizes: BLAS
+    assert bk.rows_linear_backend(4, CUDA, torch.float32) == "reference"   # GPUs: cuBLAS
+    assert calls and all(a[0] == "rows_linear" for a, _ in calls)
+
+
+def test_backend_and_impls_do_not_import_each_other():
+    import taps_kernels.backend as backend_mod
+    import taps_kernels.impls as impls_mod
+    for mod, other in ((backend_mod, "impls"), (impls_mod, "backend")):
+        tree = ast.parse(open(mod.__file__).read())
+        for node in tree.body:  # module level only: a lazy import inside a function is the intended way
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+                assert not any(n == other or n.endswith("." + other) for n in names), (mod.__name__, names)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.endswith("." + other) for a in node.names), (mod.__name__, node.names)
+    env = {k: v for k, v in os.environ.items() if k != "TAPS_BACKEND"}
+    for stmt in ("import taps_kernels.impls", "import taps_kernels.backend as b; b.resolve('propagate_reach', None, 'cpu')"):
+        proc = subprocess.run([sys.executable, "-c", stmt], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{stmt}: {proc.stderr[-2000:]}"
+
+
+def test_explicit_backend_errors_say_why():
+    with pytest.raises(bk.BackendUnavailable, match="cuda"):
+        bk.resolve("tree_mask", "cuda", CPU)
+    with pytest.raises(bk.BackendUnavailable, match="unknown backend"):
+        bk.resolve("tree_mask", "fpga", CPU)
