@@ -225,8 +225,28 @@ def test_head_dtype_projects_with_a_cached_low_precision_copy():
     torch.testing.assert_close(m.draft(st, torch.tensor([3]), emb, head)[0], 2 * exact, atol=1e-5, rtol=1e-5)
 
 
-def test_fast_head_dtype_is_bf16_only_on_native_bf16_cpus():
-    from taps.models.drafter import cpu_has_native_bf16, fast_head_dtype
+def test_fast_head_dtype_changes_proposals_not_generated_tokens():
+    """What the CLI's head dtype may change: the draft logits (a few argmax proposals at most), never the
+    generated tokens, whichever dtype this machine picks; off the CPU the LM head's own dtype is kept."""
+    from helpers import hf_greedy, tiny_drafter, tiny_target
+    from taps.decode import SpeculativeDecoder, make_policy
+    from taps.models.drafter import fast_head_dtype
 
-    assert fast_head_dtype("cpu") == (torch.bfloat16 if cpu_has_native_bf16() else None)
-    assert fast_head_dtype("meta") is None
+    picked = fast_head_dtype("cpu")
+    assert picked in (None, torch.bfloat16) and fast_head_dtype("meta") is None
+    target, drafter = tiny_target(0), tiny_drafter(0)
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    st = drafter.new_state(1)
+    drafter.append_context(st, torch.randn(1, 7, drafter.config.num_context_features))
+    with torch.no_grad():
+        exact = drafter.draft(st, torch.tensor([3]), emb, head)[0]
+        drafter.head_dtype = torch.bfloat16
+        low = drafter.draft(st, torch.tensor([3]), emb, head)[0]
+    assert not torch.equal(low, exact)
+    assert (low.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.75
+    prompt = [5, 9, 17, 3, 44, 2]
+    ref = hf_greedy(target, prompt, 20)
+    for dtype in dict.fromkeys([picked, torch.bfloat16, None]):
+        drafter.head_dtype = dtype
+        dec = SpeculativeDecoder(target, make_policy("ddtree:6"), drafter=drafter)
+        assert dec.generate(prompt, 20).token_ids == ref, dtype

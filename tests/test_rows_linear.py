@@ -56,16 +56,37 @@ def test_empty_inner_dimension_gives_the_bias(backend_name):
     assert torch.equal(taps_kernels.rows_linear(x, w, backend=backend_name), torch.zeros(2, 3, 5))
 
 
-def test_default_backend_choice():
-    cpu = torch.device("cpu")
-    vectorized = not _WHY and backend.load_extension("_C")[0].rows_linear_vectorized()
-    assert backend.rows_linear_backend(1, cpu, torch.float32) == ("cpp" if vectorized else "reference")
-    assert backend.rows_linear_backend(backend.ROWS_LINEAR_MAX_ROWS, cpu, torch.float32) == (
-        "cpp" if vectorized else "reference")
-    assert backend.rows_linear_backend(backend.ROWS_LINEAR_MAX_ROWS + 1, cpu, torch.float32) == "reference"
-    assert backend.rows_linear_backend(0, cpu, torch.float32) == "reference"
-    assert backend.rows_linear_backend(4, cpu, torch.bfloat16) == "reference"
-    assert backend.rows_linear_backend(4, torch.device("cuda"), torch.float32) == "reference"
+def _distinct_inputs(M, K=577, N=67, seed=0):
+    """Inputs on which the C++ kernel and BLAS give different bits (they sum in different orders), so
+    the default's output shows which one ran."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    return x, w
+
+
+@needs_cpp
+@pytest.mark.parametrize("M", [1, 4, backend.ROWS_LINEAR_MAX_ROWS, backend.ROWS_LINEAR_MAX_ROWS + 1, 70])
+def test_default_runs_the_kernel_for_few_float32_rows_only(M, monkeypatch):
+    """Observed through the output bits: few float32 rows run the C++ kernel (when it is the vectorized
+    build), more rows, other dtypes and TAPS_BACKEND=reference run torch's linear."""
+    monkeypatch.delenv("TAPS_BACKEND", raising=False)
+    x, w = _distinct_inputs(M)
+    cpp = taps_kernels.rows_linear(x, w, backend="cpp")
+    torch_out = torch.nn.functional.linear(x, w)
+    assert not torch.equal(cpp, torch_out)  # else this input could not tell the two apart
+    got = taps_kernels.rows_linear(x, w)
+    kernel_fast = backend.load_extension("_C")[0].rows_linear_vectorized()
+    few = M <= backend.ROWS_LINEAR_MAX_ROWS
+    assert torch.equal(got, cpp if (few and kernel_fast) else torch_out)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(taps_kernels.rows_linear(xb, wb), torch.nn.functional.linear(xb, wb))
+    monkeypatch.setenv("TAPS_BACKEND", "reference")
+    assert torch.equal(taps_kernels.rows_linear(x, w), torch_out)
+
+
+def test_zero_rows_give_an_empty_result():
+    x, w = torch.randn(0, 9), torch.randn(4, 9)
+    assert taps_kernels.rows_linear(x, w).shape == (0, 4)
 
 
 def test_bad_inputs_name_the_argument():
