@@ -3,26 +3,37 @@ decoding can continue afterwards to the same output as HF ``generate``."""
 import pytest
 import torch
 
-import taps_kernels
-from taps.decode import SpeculativeDecoder, make_policy
+from taps_kernels import custom_ops
+from taps.decode import BatchDecoder, SpeculativeDecoder, make_policy
 
 from test_decode_greedy import hf_greedy, tiny_drafter, tiny_target  # noqa: F401  (shared tiny models)
 
 
 def snapshot(dec):
-    layers = dec.verifier.cache.layers
-    return ([l.keys.clone() for l in layers], [l.values.clone() for l in layers], dec.verifier.length,
-            [k.clone() for k in dec._state.k], dec._state.length, list(dec.generated))
+    """Every row's committed cache rows, lengths (device and host), drafter context and pending tree."""
+    ver, st = dec.verifier, dec._state
+    n = list(ver.host_lengths)
+    rows = [([k[b, :, :n[b]].clone() for k in ver.keys], [v[b, :, :n[b]].clone() for v in ver.values])
+            for b in range(len(n))]
+    drows = [[k[b, :, :n[b]].clone() for k in st.k_buf] for b in range(len(n))]
+    pend = [t.clone() for t in (dec._pending.tokens, dec._pending.parents, dec._pending.num_nodes)]
+    gen = [list(r.generated) if r is not None else None for r in dec._rows]
+    return n, ver.lengths.clone(), rows, st.lengths.clone(), list(st.host_lengths), drows, pend, gen
 
 
 def assert_same(dec, snap):
-    keys, values, length, dk, dlen, generated = snap
-    layers = dec.verifier.cache.layers
-    assert dec.verifier.length == length and dec.verifier.cache.get_seq_length() == length
-    for a, b in zip([l.keys for l in layers] + [l.values for l in layers], keys + values):
-        assert torch.equal(a, b)
-    assert dec._state.length == dlen and all(torch.equal(a, b) for a, b in zip(dec._state.k, dk))
-    assert dec.generated == generated
+    n, lengths, rows, dlengths, dhost, drows, pend, gen = snap
+    ver, st = dec.verifier, dec._state
+    assert ver.host_lengths == n and torch.equal(ver.lengths, lengths)
+    assert torch.equal(st.lengths, dlengths) and st.host_lengths == dhost
+    for b in range(len(n)):
+        keys, values = rows[b]
+        assert all(torch.equal(k[b, :, :n[b]], want) for k, want in zip(ver.keys, keys))
+        assert all(torch.equal(v[b, :, :n[b]], want) for v, want in zip(ver.values, values))
+        assert all(torch.equal(k[b, :, :n[b]], want) for k, want in zip(st.k_buf, drows[b]))
+    assert all(torch.equal(a, b) for a, b in zip((dec._pending.tokens, dec._pending.parents, dec._pending.num_nodes),
+                                                 pend))
+    assert [list(r.generated) if r is not None else None for r in dec._rows] == gen
 
 
 class Boom(RuntimeError):
@@ -33,7 +44,20 @@ def _raise(*args, **kwargs):
     raise Boom("injected failure")
 
 
-@pytest.mark.parametrize("where", ["accept", "compact", "context", "policy"])
+def _inject(m, dec, drafter, where):
+    if where == "verify":  # right after the verify forward wrote every row's tree into the cache
+        dec.round_hook = _raise
+    elif where == "accept":
+        m.setattr(custom_ops, "accept_greedy", _raise)
+    elif where == "compact":  # after accept: the one compaction call moves rows in every layer
+        m.setattr(dec.verifier, "commit_batch", _raise)
+    elif where == "context":  # after compaction advanced the lengths
+        m.setattr(drafter, "append_context", _raise)
+    else:  # after everything else: the next trees
+        m.setattr(dec.policy, "build", _raise)
+
+
+@pytest.mark.parametrize("where", ["verify", "accept", "compact", "context", "policy"])
 def test_failed_round_restores_cache(monkeypatch, where):
     target, drafter = tiny_target(11), tiny_drafter(11)
     prompt, max_new = [5, 9, 2, 44, 17, 3], 20
@@ -44,17 +68,33 @@ def test_failed_round_restores_cache(monkeypatch, where):
     dec.step()
     snap = snapshot(dec)
     with monkeypatch.context() as m:
-        if where == "accept":  # after the verify forward appended the tree rows
-            m.setattr(taps_kernels, "accept_greedy", _raise)
-        elif where == "compact":
-            m.setattr(dec.verifier, "commit", _raise)
-        elif where == "context":  # after compaction and the crop to the new length
-            m.setattr(drafter, "append_context", _raise)
-        else:
-            m.setattr(dec.policy, "build", _raise)
+        _inject(m, dec, drafter, where)
         with pytest.raises(Boom):
             dec.step()
         assert_same(dec, snap)
+    dec.round_hook = None
     while not dec.done:
         dec.step()
     assert dec.generated == ref
+
+
+@pytest.mark.parametrize("where", ["verify", "compact", "context"])
+def test_failed_batched_round_restores_every_row(monkeypatch, where):
+    """Rows of different lengths in one batch: a failed round restores all of them, and decoding goes on to
+    each row's own greedy output."""
+    target, drafter = tiny_target(11), tiny_drafter(11)
+    prompts = [[5, 9, 2, 44, 17, 3], [8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    refs = [hf_greedy(target, p, 16) for p in prompts]
+    dec = BatchDecoder(target, make_policy("ddtree:8"), drafter=drafter, max_batch=3)
+    ids = [dec.submit(p, 16) for p in prompts]
+    dec.admit()
+    dec.step()
+    snap = snapshot(dec)
+    with monkeypatch.context() as m:
+        _inject(m, dec, drafter, where)
+        with pytest.raises(Boom):
+            dec.step()
+        assert_same(dec, snap)
+    dec.round_hook = None
+    results = dec.run()
+    assert [results[i].token_ids for i in ids] == refs

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from taps.decode import SpeculativeDecoder, make_policy
-from taps.decode.policies import available_policies
+from taps.decode.policies import Stopwatch, available_policies
 from taps.decode.policies.taps import TapsPolicy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps.scoring.io import save_scorer
@@ -72,18 +72,18 @@ def test_registered():
         assert n in names
 
 
-def check_tree(tree, cap, bonus):
-    n = int(tree.num_nodes[0])
+def check_tree(tree, cap, bonus, b=0):
+    n = int(tree.num_nodes[b])
     assert 1 <= n <= cap + 1
-    assert int(tree.tokens[0, 0]) == bonus
-    par = tree.parents[0, :n].tolist()
-    dep = tree.depth[0, :n].tolist()
+    assert int(tree.tokens[b, 0]) == bonus
+    par = tree.parents[b, :n].tolist()
+    dep = tree.depth[b, :n].tolist()
     assert par[0] == -1 and dep[0] == 0
     for i in range(1, n):  # prefix-closed, topological, depths consistent
         assert 0 <= par[i] < i
         assert dep[i] == dep[par[i]] + 1
     # no duplicate (parent, token) pairs: the walk must be unambiguous
-    pairs = [(par[i], int(tree.tokens[0, i])) for i in range(1, n)]
+    pairs = [(par[i], int(tree.tokens[b, i])) for i in range(1, n)]
     assert len(pairs) == len(set(pairs))
 
 
@@ -98,11 +98,24 @@ def test_trees_within_budget_and_prefix_closed(env, models, spec):
         logits = torch.randn(1, 4, V, generator=g) * (1 + r)
         hidden = torch.randn(1, 4, HID, generator=g)
         bonus = int(torch.randint(0, V, (1,), generator=g))
-        tree, times = pol.build(logits, hidden, torch.tensor([bonus]))
+        sw = Stopwatch()
+        tree = pol.build(logits, hidden, torch.tensor([bonus]), timer=sw).tree
         check_tree(tree, cap, bonus)
         if spec.startswith("taps-fixed"):
             assert int(tree.num_nodes[0]) == cap + 1
-        assert set(times) <= {"pool", "scoring", "selection"}
+        assert set(sw.times) <= {"pool", "scoring", "selection"}
+    # a batch of rows in one call, each row with its own depth cap
+    B = 3
+    logits = torch.randn(B, 4, V, generator=g) * 3
+    hidden = torch.randn(B, 4, HID, generator=g)
+    bonus = torch.randint(0, V, (B,), generator=g)
+    caps = torch.tensor([4, 1, 0])
+    tree = pol.build(logits, hidden, bonus, depth_cap=caps).tree
+    tree.validate()
+    for b in range(B):
+        check_tree(tree, cap, int(bonus[b]), b)
+        n = int(tree.num_nodes[b])
+        assert int(tree.depth[b, :n].max()) <= int(caps[b])
 
 
 def test_throughput_rule_shrinks_with_cost(models):
@@ -115,7 +128,7 @@ def test_throughput_rule_shrinks_with_cost(models):
         pol.bind(target, drafter, torch.device("cpu"))
         pol.overhead.update = lambda s: None  # keep t0 fixed: the test compares tables only
         g = torch.Generator().manual_seed(1)
-        tree, _ = pol.build(torch.randn(1, 4, V, generator=g), torch.randn(1, 4, HID, generator=g), torch.tensor([3]))
+        tree = pol.build(torch.randn(1, 4, V, generator=g), torch.randn(1, 4, HID, generator=g), torch.tensor([3])).tree
         sizes[name] = int(tree.num_nodes[0]) - 1
     assert sizes["flat"] == 16
     assert sizes["steep"] < sizes["flat"]

@@ -35,6 +35,11 @@ Padded batches: pass the 2-D ``attention_mask`` of the cached prefix as ``prefix
 hidden. That path builds a dense ``[B, 1, N, L]`` boolean mask and runs SDPA (the fused kernels have
 no key-padding input); without padding the fused op runs.
 
+Preallocated caches: ``key``/``value`` reach the kernel as the cache returned them (strided views of a
+preallocated buffer are read in place, never copied); with ``prefix_lens`` per row, rows of different
+lengths share one buffer (right-padded: row b's keys past ``prefix_lens[b] + N`` are ignored). Inside
+:func:`use_tree` the mask builder returns no mask at all (the tree attention does not read one).
+
 Limits: every row of the batch must have the same cache length when ``prefix_lens`` is omitted
 (HF's ``DynamicCache`` appends the tree at the same offset for all rows); no sliding-window layers,
 soft-capping or attention dropout while a tree is active (these raise).
@@ -189,8 +194,10 @@ def taps_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if meta.prefix_mask is not None:
         return _tree_attention_padded(query, key, value, meta.ancestor_bits, prefix_lens, meta.prefix_mask,
                                       scaling), None
-    out = custom_ops.tree_attention(query.contiguous(), key.contiguous(), value.contiguous(), meta.ancestor_bits,
-                                    prefix_lens, scale=scaling)
+    # key/value are what the cache returned: with a preallocated cache, strided views of its buffers. The
+    # kernels read them in place through their strides (copying a layer's cache here would cost more than
+    # the attention itself).
+    out = custom_ops.tree_attention(query, key, value, meta.ancestor_bits, prefix_lens, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -203,8 +210,17 @@ def register(name: str = ATTN_IMPLEMENTATION) -> str:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     except ImportError:  # older transformers build the mask from the config's implementation name elsewhere
         return name
-    # Calls without a tree (prefill, plain decoding) need exactly the mask sdpa would get.
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+    def tree_or_sdpa_mask(*args, **kwargs):
+        # Inside use_tree() the tree attention ignores the mask: building the dense [B, 1, N, L] causal
+        # mask would be wasted work. Calls without a tree (prefill, plain decoding) get exactly sdpa's mask.
+        # (torch.compile cannot trace a context variable; use_tree is eager-only anyway.)
+        if not torch.compiler.is_compiling() and _ACTIVE.get() is not None:
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionMaskInterface.register(name, tree_or_sdpa_mask)
     return name
 
 

@@ -13,13 +13,17 @@ STAGES = ("draft", "pool", "scoring", "selection", "verify", "accept", "compacti
 class RoundStats:
     """One round: ``accept_len`` (tau: tokens committed, root included), ``nodes`` verified (root included),
     ``committed`` tokens kept after stop/limit truncation, ``times`` seconds per stage (keys from STAGES),
-    ``drafted`` whether the drafter ran (False for plain rounds: no drafter, a gated round, the last token)."""
+    ``drafted`` whether the verified tree came from a draft (False for plain rounds: no drafter, a gated round,
+    the last token); ``round_s`` the whole round's seconds (device time on a GPU), shared by the batch's rows.
+    ``times`` holds the stages that verified this round's tree plus those that built it (its draft, pool,
+    scoring and selection ran at the end of the previous round, or when the request joined)."""
 
     accept_len: int
     nodes: int
     committed: int
     times: Dict[str, float] = field(default_factory=dict)
     drafted: bool = True
+    round_s: float = 0.0
 
 
 @dataclass

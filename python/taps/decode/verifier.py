@@ -1,165 +1,186 @@
-"""The target side of a round: prefill, tree verification on an HF ``DynamicCache``, and KV compaction.
+"""The target side of a round, batched: a preallocated per-row KV cache, prefill of one row, one tree
+verification over every row, and one compaction call.
 
-Cache discipline: ``length`` rows of the cache are committed (prompt plus every
-token the target has run and kept). A verify call appends the tree's rows
-after them; :meth:`TargetVerifier.commit` keeps only the accepted rows
-(moved to contiguous positions with :func:`taps_kernels.compact_kv`) and
-crops the rest; :meth:`TargetVerifier.crop` restores any earlier length (used
-to undo a failed round).
+Cache layout (right-padded, one row per request slot): every layer owns ``keys``/``values`` buffers
+``[max_batch, H_kv, capacity, Dh]`` allocated once. Row ``b`` holds its committed tokens (prompt plus every
+token the target has run and kept) at positions ``[0, lengths[b])``; positions past that are scratch. A
+verify writes row b's tree node ``j`` at ``lengths[b] + j`` (a scatter, no host read), and attention reads
+the buffers in place as strided views ``[:B, :, :L]`` with ``L = max(lengths) + N``; row b sees its own
+``lengths[b]`` prefix keys plus its tree (``taps_kernels.tree_attention``'s ``prefix_lens``), so rows of
+different lengths share one forward without padding tokens. :meth:`TargetVerifier.commit_batch` keeps only
+the accepted rows of every layer and every row with ONE :func:`taps_kernels.compact_kv` call and advances
+``lengths`` on the device. Undoing a failed round only needs the old ``lengths`` (rows below a length are
+never written by a later round).
+
+``lengths [max_batch] int64`` lives on the model's device (the truth); ``host_lengths`` is its host mirror,
+updated by the decode loop from the one read per round (never by reading the device).
+
+Attention (``attention=``): ``"taps_tree"`` runs :func:`taps_kernels.tree_attention` in every layer through
+the ``"taps_tree"`` transformers attention implementation (:mod:`taps_kernels.integrations.transformers`;
+the model is switched to it, which is exactly sdpa for calls without a tree); ``"sdpa"`` is the fallback:
+a dense ``[B, 1, N, L]`` float mask built on the device and HF's sdpa attention. ``"auto"``: taps_tree on
+GPUs; on CPU :data:`CPU_DEFAULT_ATTENTION` (measured, see there).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
-
 import inspect
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-import taps_kernels
-from taps_kernels import Tree
-
+from taps_kernels import Tree, custom_ops
+from taps_kernels.integrations import transformers as taps_hf
+from taps_kernels.reference.attention import tree_visibility
 
 try:
     from transformers.cache_utils import DynamicLayer as _DynamicLayer
-except ImportError:  # transformers without per-layer cache objects: plain DynamicCache rows
+except ImportError:  # pragma: no cover - transformers without per-layer cache objects
     _DynamicLayer = None
+
+ATTENTIONS = ("auto", "taps_tree", "sdpa")
+
+#: The CPU default of ``attention="auto"``. Measured with bench/bench_verify_attention.py on SmolLM2 verify
+#: shapes (1-17 nodes, prefix 100-600, fp32, 1 thread): see bench/results/verify_attention_cpu.json. The
+#: tree-attention op on CPU is the PyTorch reference (no C++ kernel), which expands K/V per query head and
+#: builds the visibility mask per layer; HF's sdpa with one dense mask per forward was faster there.
+CPU_DEFAULT_ATTENTION = "sdpa"
+
+
+def resolve_attention(attention: str, device: torch.device) -> str:
+    """``"taps_tree"`` or ``"sdpa"`` for ``attention`` in :data:`ATTENTIONS` on ``device``."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention: expected one of {ATTENTIONS}, received {attention!r}")
+    if attention != "auto":
+        return attention
+    return "taps_tree" if torch.device(device).type == "cuda" else CPU_DEFAULT_ATTENTION
 
 
 if _DynamicLayer is not None:
-    class PreallocatedLayer(_DynamicLayer):
-        """A ``DynamicLayer`` whose rows live in a buffer allocated once per generation.
+    class _RowLayer(_DynamicLayer):
+        """One layer's view of the shared buffers, in whatever mode the verifier set for this forward."""
 
-        HF's ``DynamicLayer`` concatenates (copies the whole layer) at every forward; here a forward
-        writes only its new rows, cropping is O(1), and ``keys``/``values`` are views ``[B, H, n, Dh]``
-        of the buffer, so :func:`taps_kernels.compact_kv` moves rows in place. The buffer doubles when
-        full.
-        """
-
-        def __init__(self, capacity: int):
+        def __init__(self, owner: "TargetVerifier", index: int):
             super().__init__()
-            self.capacity = max(int(capacity), 1)
-            self._k = self._v = None
-            self._n = 0
-            self.is_initialized = False  # older transformers releases do not set it
+            self.owner, self.index = owner, index
+            self.is_initialized = True
 
         def lazy_initialization(self, key_states, value_states, *args, **kwargs):
-            B, H, _, Dh = key_states.shape
-            self._k = key_states.new_empty(B, H, self.capacity, Dh)
-            self._v = value_states.new_empty(B, H, self.capacity, value_states.shape[-1])
-            self.device, self.dtype = key_states.device, key_states.dtype
-            self.is_initialized = True
-            self.set_length(0)
+            pass  # buffers are preallocated by the verifier
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n, t = self._n, key_states.shape[-2]
-            if n + t > self._k.shape[-2]:
-                cap = max(2 * self._k.shape[-2], n + t)
-                k, v = self._k, self._v
-                self._k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-                self._v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
-                self._k[:, :, :n] = k[:, :, :n]
-                self._v[:, :, :n] = v[:, :, :n]
-            self._k[:, :, n:n + t] = key_states
-            self._v[:, :, n:n + t] = value_states
-            self.set_length(n + t)
-            return self.keys, self.values
-
-        def set_length(self, n: int) -> None:
-            self._n = n
-            self.keys = self._k[:, :, :n]
-            self.values = self._v[:, :, :n]
+            o = self.owner
+            K, V = o.keys[self.index], o.values[self.index]
+            if o._mode == "prefill":
+                s, T = o._slot, key_states.shape[2]
+                K[s:s + 1, :, :T] = key_states
+                V[s:s + 1, :, :T] = value_states
+                k, v = K[s:s + 1, :, :T], V[s:s + 1, :, :T]
+            else:
+                B = o._rows
+                K[:B].scatter_(2, o._write_index, key_states)
+                V[:B].scatter_(2, o._write_index, value_states)
+                k, v = K[:B, :, :o._kv_len], V[:B, :, :o._kv_len]
+            self.keys, self.values = k, v
+            return k, v
 
         def get_seq_length(self, *args, **kwargs) -> int:
-            return self._n
+            return self.owner._past
 
-        def crop(self, length: int) -> None:
-            # negative: rows to drop (transformers 5); otherwise the length to keep (transformers 4)
-            if self.is_initialized:
-                self.set_length(max(self._n + length, 0) if length < 0 else min(length, self._n))
-else:
-    PreallocatedLayer = None
+        def get_mask_sizes(self, query_length: int, *args, **kwargs):
+            return self.owner._past + query_length, 0
 
-
-def _slice_tree(tree: Tree, n: int) -> Tree:
-    if tree.tokens.shape[1] == n:
-        return tree
-    return Tree(tree.tokens[:, :n], tree.parents[:, :n], tree.depth[:, :n], tree.num_nodes)
-
-
-def _is_chain(tree: Tree) -> bool:
-    # A chain's tree mask is the ordinary causal one, which HF builds itself.
-    n = tree.tokens.shape[1]
-    return bool((tree.parents[0, 1:] == torch.arange(n - 1, device=tree.device, dtype=torch.int32)).all())
+        def get_max_length(self) -> int:
+            return -1
+else:  # pragma: no cover
+    _RowLayer = None
 
 
 class TargetVerifier:
-    """Owns the target's KV cache for one sequence (batch 1).
+    """Owns the target's KV cache for up to ``max_batch`` rows.
 
     Args:
-        model: an HF causal LM (Llama/Qwen-style: ``model(input_ids, position_ids, attention_mask,
-            past_key_values, output_hidden_states, logits_to_keep)``).
+        model: an HF causal LM (Llama/Qwen-style, full attention in every layer).
         feature_layer_ids: target layer ids whose outputs the drafter reads (``hidden_states[id + 1]``,
-            concatenated on the last dim), or None when no drafter runs (hidden states are then never requested).
+            concatenated on the last dim), or None when no drafter runs.
+        attention: ``"auto"``, ``"taps_tree"`` or ``"sdpa"`` (module docstring).
+        max_batch: rows (request slots).
     """
 
-    def __init__(self, model, feature_layer_ids: Optional[Sequence[int]] = None):
+    def __init__(self, model, feature_layer_ids: Optional[Sequence[int]] = None, attention: str = "auto",
+                 max_batch: int = 1):
+        if _RowLayer is None:
+            raise ImportError("TargetVerifier needs transformers with per-layer cache objects (>= 4.56)")
+        cfg = model.config
+        if getattr(cfg, "sliding_window", None) or (getattr(cfg, "layer_types", None)
+                                                    and any(t != "full_attention" for t in cfg.layer_types)):
+            raise ValueError("model: sliding-window attention layers are not supported by the batched verifier")
         self.model = model
         self.feature_layer_ids = list(feature_layer_ids) if feature_layer_ids is not None else None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache = None
-        self.length = 0
-        # transformers 5.x renamed the forward's cache argument; older releases only know the first name.
+        self.attention = resolve_attention(attention, self.device)
+        if self.attention == "taps_tree" and getattr(cfg, "_attn_implementation", None) != taps_hf.ATTN_IMPLEMENTATION:
+            # Without a tree this implementation is exactly sdpa (same mask builder, same kernel).
+            model.set_attn_implementation(taps_hf.ATTN_IMPLEMENTATION)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.max_batch = 0
+        self.keys: List[torch.Tensor] = []
+        self.values: List[torch.Tensor] = []
+        self.lengths = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.host_lengths: List[int] = []
+        self._mode, self._slot, self._rows, self._kv_len, self._past, self._write_index = "tree", 0, 0, 0, 0, None
+        self._hf_cache = None
+        self.reset(max_batch, 0)
 
-    # --- cache bookkeeping ------------------------------------------------------------------------------------
+    # --- buffers --------------------------------------------------------------------------------------------
 
-    def _layers(self):
-        return self.cache.layers
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
 
-    def _cache_rows(self) -> int:
-        return self.cache.get_seq_length() if self.cache is not None else 0
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` cache rows of every layer (``0 <= length <= rows present``)."""
-        if self.cache is None:
-            self.length = 0
-            return
-        rows = self._cache_rows()
-        if not 0 <= length <= rows:
-            raise ValueError(f"length: expected 0 <= length <= {rows} cached rows, received {length}")
-        if length < rows:
-            self._truncate(length)
-        self.length = length
-
-    def _truncate(self, length: int) -> None:
-        for layer in self._layers():
-            if hasattr(layer, "set_length"):
-                layer.set_length(length)
-            else:
-                layer.keys = layer.keys[:, :, :length]
-                layer.values = layer.values[:, :, :length]
-
-    def reset(self, capacity: int = 0) -> None:
-        """Start an empty cache with room for ``capacity`` rows per layer (it grows if needed)."""
+    def reset(self, max_batch: int, capacity: int) -> None:
+        """Empty cache of ``max_batch`` rows with room for ``capacity`` positions each (grows on demand; the
+        buffers of an earlier run are kept when they fit)."""
         from transformers import DynamicCache
 
-        cfg = self.model.config
-        plain = (PreallocatedLayer is None or getattr(cfg, "sliding_window", None)
-                 or getattr(cfg, "layer_types", None) and any(t != "full_attention" for t in cfg.layer_types))
-        if plain:  # sliding-window layers keep HF's own cache classes
-            self.cache = DynamicCache(config=cfg)
-        else:
-            self.cache = DynamicCache()
-            self.cache.layers = [PreallocatedLayer(capacity) for _ in range(cfg.num_hidden_layers)]
-        self.length = 0
+        reuse = self.keys and self.max_batch == int(max_batch) and self.capacity >= int(capacity)
+        self.max_batch = int(max_batch)
+        if not reuse:  # else the old buffers serve: the lengths alone say what is valid
+            shape = (self.max_batch, self.kv_heads, max(int(capacity), 1), self.head_dim)
+            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.lengths = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
+        self.host_lengths = [0] * self.max_batch
+        self._hf_cache = DynamicCache()
+        self._hf_cache.layers = [_RowLayer(self, i) for i in range(self.num_layers)]
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` per row (between rounds: a copy of the buffers, doubling)."""
+        if positions <= self.capacity:
+            return
+        cap = max(int(positions), 2 * self.capacity)
+        for group in (self.keys, self.values):
+            for i, t in enumerate(group):
+                new = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+                new[:, :, :t.shape[2]] = t
+                group[i] = new
+
+    def set_host_lengths(self, lengths: Sequence[int]) -> None:
+        """Report the device lengths on the host (the caller knows them from its one read)."""
+        self.host_lengths = [int(x) for x in lengths]
+
+    def reset_row(self, row: int) -> None:
+        """Empty one row (its request left)."""
+        self.lengths[row] = 0
+        self.host_lengths[row] = 0
 
     def features(self, hidden_states, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Drafter context features ``[1, T, n*H]`` from a forward's ``hidden_states`` tuple, rows
-        ``rows [T] int64`` (default: all)."""
+        """Drafter context features ``[B, T, n*H]`` from a forward's ``hidden_states``; ``rows [T] int64``
+        picks node rows (all rows when None)."""
         if self.feature_layer_ids is None:
             return None
         picked = [hidden_states[i + 1] for i in self.feature_layer_ids]
@@ -167,70 +188,123 @@ class TargetVerifier:
             picked = [h.index_select(1, rows) for h in picked]
         return torch.cat(picked, dim=-1)
 
+    def gather_features(self, hidden_states, path: torch.Tensor) -> Optional[torch.Tensor]:
+        """Features of the accepted nodes: ``[B, P, n*H]`` at ``path [B, P]`` (-1 pads read node 0; the
+        caller passes the real counts to the drafter)."""
+        if self.feature_layer_ids is None:
+            return None
+        feats = self.features(hidden_states)
+        idx = path.clamp(min=0)[:, :, None].expand(-1, -1, feats.shape[-1])
+        return feats.gather(1, idx)
+
     # --- forwards ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: torch.Tensor, capacity: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Run the prompt into a fresh cache.
+    def prefill_row(self, row: int, prompt_ids: Sequence[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Run one prompt alone into row ``row`` (other rows untouched, nothing recomputed).
 
-        Args:
-            prompt_ids: ``[1, T] int64``.
-            capacity: expected cache rows (prompt + output + one tree) to preallocate.
-        Returns:
-            ``(logits [V], features [1, T, n*H] or None)``: the target's logits after the last prompt token,
-            and the drafter's context features of every prompt token.
+        Returns ``(logits [V] after the last prompt token, features [1, T, n*H] or None)``.
         """
-        self.reset(max(capacity, prompt_ids.shape[1]))
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).view(1, -1).to(self.device)
+        T = ids.shape[1]
+        self.reserve(T + 1)
         want_hidden = self.feature_layer_ids is not None
-        out = self.model(input_ids=prompt_ids.to(self.device), use_cache=True, **{self._cache_kw: self.cache},
-                         output_hidden_states=want_hidden, logits_to_keep=1)
-        self.length = prompt_ids.shape[1]
+        self._mode, self._slot, self._past = "prefill", int(row), 0
+        try:
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._hf_cache},
+                             output_hidden_states=want_hidden, logits_to_keep=1)
+        finally:
+            self._mode = "tree"
+        self.lengths[row] = T
+        self.host_lengths[row] = T
         feats = self.features(out.hidden_states) if want_hidden else None
         return out.logits[0, -1], feats
 
     @torch.inference_mode()
-    def verify(self, tree: Tree) -> Tuple[torch.Tensor, Optional[tuple], Tree]:
-        """One target forward over the tree's real nodes on top of the committed cache.
+    def verify_batch(self, tree: Tree, rows: Optional[int] = None):
+        """One target forward over the trees of rows ``[0, B)`` on top of their committed prefixes.
 
-        Node ``i`` gets position ``length + depth[i]`` and sees the whole committed cache plus its own
-        ancestors and itself (float additive mask from :func:`taps_kernels.ancestor_bits_to_additive_mask`).
+        Node ``i`` of row ``b`` gets position ``lengths[b] + depth[b, i]`` and sees row b's prefix plus its own
+        ancestors and itself. Padding nodes see only themselves (their outputs are never accepted).
         Args:
-            tree: batch-1 :class:`Tree`; only its first ``num_nodes[0]`` rows run.
+            tree: :class:`Tree` ``[B, N]`` on the model's device (every row, padded to the batch's largest).
+            rows: ``B`` (default ``tree.batch_size``); the host must know ``max(lengths[:B])``.
         Returns:
-            ``(logits [n, V], hidden_states or None, tree sliced to n rows)``; the cache then holds
-            ``length + n`` rows until :meth:`commit` or :meth:`crop`.
+            ``(logits [B, N, V], hidden_states or None)``. The cache lengths do not change: the tree rows sit
+            past each length until :meth:`commit_batch`.
         """
-        n = int(tree.num_nodes[0])
-        tree = _slice_tree(tree, n)
+        B, N = tree.tokens.shape
+        rows = B if rows is None else rows
+        if rows != B:
+            raise ValueError(f"tree: expected {rows} rows, received {B}")
+        kv_len = max(self.host_lengths[:B]) + N
+        self.reserve(kv_len)
+        prefix = self.lengths[:B]
+        position_ids, bits = custom_ops.tree_mask(tree, prefix)
+        self._rows, self._kv_len, self._past = B, kv_len, kv_len - N
+        self._write_index = (prefix[:, None] + torch.arange(N, device=self.device))[:, None, :, None].expand(
+            B, self.kv_heads, N, self.head_dim)
         want_hidden = self.feature_layer_ids is not None
-        ids = tree.tokens.to(self.device)
-        if n == 1 or _is_chain(tree):
-            out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self.cache},
-                             output_hidden_states=want_hidden)
+        kwargs = dict(input_ids=tree.tokens, position_ids=position_ids, use_cache=True,
+                      output_hidden_states=want_hidden, **{self._cache_kw: self._hf_cache})
+        if self.attention == "taps_tree":
+            meta = taps_hf.TreeAttentionMetadata(bits, prefix)
+            with taps_hf.use_tree(meta):
+                out = self.model(**kwargs)
         else:
-            prefix = torch.tensor([self.length], dtype=torch.int64, device=tree.device)
-            position_ids, bits = taps_kernels.tree_mask(tree, prefix)
-            mask = taps_kernels.ancestor_bits_to_additive_mask(bits, prefix, self.length + n, dtype=self.dtype)
-            out = self.model(input_ids=ids, position_ids=position_ids.to(self.device),
-                             attention_mask=mask.to(self.device), use_cache=True, **{self._cache_kw: self.cache},
-                             output_hidden_states=want_hidden)
-        return out.logits[0], (out.hidden_states if want_hidden else None), tree
+            visible = tree_visibility(bits, prefix, kv_len)[:, None]
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+            out = self.model(attention_mask=mask, **kwargs)
+        return out.logits, (out.hidden_states if want_hidden else None)
+
+    @torch.inference_mode()
+    def commit_batch(self, path: torch.Tensor, accept_len: torch.Tensor) -> None:
+        """Keep the accepted tree rows of rows ``[0, B)`` after their prefixes (ONE compact_kv call over every
+        layer and row) and advance ``lengths`` by ``accept_len`` on the device.
+
+        Args:
+            path: ``[B, P] int64`` accepted nodes (root first, -1 padded).
+            accept_len: ``[B] int64`` tokens each row keeps (0 for rows that are not running: their path must
+                then be the root alone, which moves nothing).
+        """
+        B = path.shape[0]
+        custom_ops.compact_kv([k[:B] for k in self.keys], [v[:B] for v in self.values], self.lengths[:B], path)
+        self.lengths[:B] += accept_len
+
+    # --- batch-1 interface (scorer traces, latency calibration) -------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        """Committed rows of row 0 (host side)."""
+        return self.host_lengths[0]
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: torch.Tensor, capacity: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Start a fresh one-row cache with ``prompt_ids [1, T]``; returns ``(logits [V], features or None)``."""
+        self.reset(1, max(capacity, prompt_ids.shape[1]) + 1)
+        return self.prefill_row(0, prompt_ids[0].tolist())
+
+    @torch.inference_mode()
+    def verify(self, tree: Tree) -> Tuple[torch.Tensor, Optional[tuple], Tree]:
+        """Row 0 verifies a one-row ``tree`` (its first ``num_nodes[0]`` rows). Returns ``(logits [n, V],
+        hidden_states or None, tree sliced to n rows)``."""
+        n = int(tree.num_nodes[0])
+        if tree.tokens.shape[1] != n:
+            tree = Tree(tree.tokens[:, :n], tree.parents[:, :n], tree.depth[:, :n], tree.num_nodes)
+        tree = tree.to(self.device)
+        logits, hs = self.verify_batch(tree, 1)
+        return logits[0], hs, tree
 
     @torch.inference_mode()
     def commit(self, path: torch.Tensor, accept_len: int) -> None:
-        """Keep the accepted tree rows after the committed prefix and crop the rest.
+        """Row 0 keeps ``accept_len`` nodes of ``path [1, P]``."""
+        self.commit_batch(path.to(self.device), torch.tensor([int(accept_len)], device=self.device))
+        self.host_lengths[0] += int(accept_len)
 
-        Args:
-            path: ``[1, P] int64`` accepted node indices from :func:`taps_kernels.accept_greedy` (root first).
-            accept_len: accepted nodes (root included).
-        """
-        nodes = path[0, :accept_len]
-        if accept_len > 1 and not bool((nodes == torch.arange(accept_len, device=nodes.device)).all()):
-            layers = self._layers()
-            prefix = torch.tensor([self.length], dtype=torch.int64, device=self.device)
-            taps_kernels.compact_kv([layer.keys for layer in layers], [layer.values for layer in layers], prefix,
-                                    path.to(self.device))
-        rows = self._cache_rows()
-        self.length += accept_len
-        if self.length < rows:
-            self._truncate(self.length)
+    def crop(self, length: int) -> None:
+        """Row 0 keeps its first ``length`` committed rows."""
+        if not 0 <= length <= self.host_lengths[0]:
+            raise ValueError(f"length: expected 0 <= length <= {self.host_lengths[0]} cached rows, received {length}")
+        self.lengths[0] = length
+        self.host_lengths[0] = length

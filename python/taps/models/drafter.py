@@ -36,6 +36,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+#: file beside ``config.json`` holding the reduced draft vocabulary (``ids``: sorted int64)
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+
 def default_target_layer_ids(num_target_layers: int, n: int) -> List[int]:
     """``n`` target layer ids spread evenly from 1 to ``L-3`` (published rule),
     rounded to the nearest integer. ``n == 1`` gives ``[L // 2]``.
@@ -85,6 +89,8 @@ class DFlashConfig:
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
     attention_bias: bool = False
+    #: size of the reduced draft vocabulary stored beside the weights (``draft_vocab.safetensors``), or None
+    draft_vocab_size: Optional[int] = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -117,6 +123,12 @@ class DFlashConfig:
             "tie_word_embeddings": False,
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
         })
+        if self.draft_vocab_size is not None:
+            d["draft_vocab_size"] = int(self.draft_vocab_size)
+            d["draft_vocab_file"] = DRAFT_VOCAB_FILE
+        else:
+            d.pop("draft_vocab_size", None)
+            d.pop("draft_vocab_file", None)
         return d
 
     @classmethod
@@ -270,7 +282,7 @@ class DFlashAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask=None):
-        """x: block rows ``[B,Lq,H]``; k_ctx/v_ctx ``[B,nkv,T,hd]`` (context rows,
+        """Training path. x: block rows ``[B,Lq,H]``; k_ctx/v_ctx ``[B,nkv,T,hd]`` (context rows,
         already rotated); mask: bool ``[B,1,Lq,T+Lq]`` (True = attend) or None (all)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, L, self.nh, self.hd)).transpose(1, 2)
@@ -283,6 +295,28 @@ class DFlashAttention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         o = _attention(q, k, v, mask)
+        return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
+
+    def forward_cached(self, x, cos, sin, k_buf, v_buf, write_index, kv_len: int, key_mask=None):
+        """Inference path: the block's K/V rows are written into the context buffers right after each row's
+        context, and one fused SDPA call attends over ``[context | block]`` of the buffer in place.
+
+        x: block rows ``[B,S,H]``; k_buf/v_buf ``[B,nkv,C,hd]`` (context rows ``< lengths[b]``);
+        write_index ``[B,nkv,S,hd] int64`` = ``lengths[b] + s`` broadcast; kv_len: keys read (host int,
+        ``>= max(lengths) + S``); key_mask: None when every row's keys ``[0, kv_len)`` are all visible
+        (equal context), else bool ``[B,1,1,kv_len]`` (True = visible: ``k < lengths[b] + S``).
+        """
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, L, self.nh, self.hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_b, v_b = self.project_kv(x, cos, sin)
+        k_buf.scatter_(2, write_index, k_b.to(k_buf.dtype))
+        v_buf.scatter_(2, write_index, v_b.to(v_buf.dtype))
+        k = k_buf[:, :, :kv_len]
+        v = v_buf[:, :, :kv_len]
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, enable_gqa=self.nh != self.nkv)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
 
 
@@ -309,22 +343,69 @@ class DFlashLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_cached(self, x, cos, sin, k_buf, v_buf, write_index, kv_len, key_mask=None):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_buf, v_buf, write_index, kv_len,
+                                              key_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlashState:
-    """Drafter KV cache of CONTEXT rows only.
+    """Drafter KV cache of CONTEXT rows, one row per request, preallocated.
 
-    ``k[l]``, ``v[l]``: ``[B, num_key_value_heads, length, head_dim]`` per layer
-    (keys already k-normed and rotated at their true positions);
-    ``length``: number of context rows (= position of the next bonus token).
-    All batch rows share one length.
+    ``k_buf[l]``, ``v_buf[l]``: ``[B, num_key_value_heads, capacity, head_dim]`` per layer (keys already
+    k-normed and rotated at their true positions). Row ``b`` holds its context in ``[0, lengths[b])``
+    (right-padded layout; rows may differ in length); rows past a length are scratch (a draft pass writes
+    its block there). ``lengths [B] int64`` lives on the buffers' device and is the truth; ``host_lengths``
+    is its host mirror (a list of ints) when known, or None after an update with device-side counts, until
+    the owner reports the new lengths with :meth:`set_host_lengths` (the decode loop does, from its one read
+    per round). ``bound`` is a host-side upper bound of ``max(lengths)`` that is always valid.
     """
 
-    def __init__(self, k: List[torch.Tensor], v: List[torch.Tensor], length: int = 0):
-        self.k, self.v, self.length = k, v, length
+    def __init__(self, k_buf: List[torch.Tensor], v_buf: List[torch.Tensor], lengths: torch.Tensor,
+                 host_lengths: Optional[List[int]] = None):
+        self.k_buf, self.v_buf, self.lengths = k_buf, v_buf, lengths
+        self.host_lengths = list(host_lengths) if host_lengths is not None else None
+        self.bound = max(self.host_lengths) if self.host_lengths else 0
 
     @property
     def batch_size(self) -> int:
-        return self.k[0].shape[0] if self.k else 0
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k_buf[0].shape[2] if self.k_buf else 0
+
+    def set_host_lengths(self, lengths: Sequence[int]) -> None:
+        """Report the device lengths on the host (no transfer: the caller already knows them)."""
+        self.host_lengths = [int(x) for x in lengths]
+        self.bound = max(self.host_lengths) if self.host_lengths else 0
+
+    @property
+    def length(self) -> int:
+        """The common context length of all rows (host side); raises when rows differ or it is not known."""
+        if self.host_lengths is None:
+            raise ValueError("state.length: the lengths were updated on the device; call set_host_lengths first")
+        if len(set(self.host_lengths)) > 1:
+            raise ValueError(f"state.length: rows have different lengths {self.host_lengths}; use host_lengths")
+        return self.host_lengths[0] if self.host_lengths else 0
+
+    @property
+    def k(self) -> List[torch.Tensor]:
+        """Per-layer key views ``[B, nkv, bound, hd]`` of the buffers (rows past each length are scratch)."""
+        return [k[:, :, :self.bound] for k in self.k_buf]
+
+    @property
+    def v(self) -> List[torch.Tensor]:
+        return [v[:, :, :self.bound] for v in self.v_buf]
+
+    def snapshot(self):
+        """What a failed round must restore: ``(lengths copy, host lengths, bound)``."""
+        return self.lengths.clone(), None if self.host_lengths is None else list(self.host_lengths), self.bound
+
+    def restore(self, snap) -> None:
+        lengths, host, bound = snap
+        self.lengths.copy_(lengths)
+        self.host_lengths, self.bound = (list(host) if host is not None else None), bound
 
 
 def cpu_has_native_bf16() -> bool:
@@ -363,7 +444,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg
-        self._head_copy = None  # ((weight identity, version, dtype), weight in head_dtype)
+        self._head_copy = None  # (key: weight identity/version, dtype, draft vocab), weight, bias
         self.fc = nn.Linear(cfg.num_context_features, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
@@ -424,81 +505,197 @@ class DFlashDrafter(nn.Module):
         return embed_tokens(ids).to(self._dtype())
 
     # --------------------------------------------------------------- inference
-    def new_state(self, batch_size: int = 1) -> DFlashState:
-        """Empty context cache for ``batch_size`` rows."""
+    #: context rows a fresh state holds before its buffers grow (doubling)
+    INITIAL_CAPACITY = 256
+
+    def new_state(self, batch_size: int = 1, capacity: Optional[int] = None) -> DFlashState:
+        """Empty context cache for ``batch_size`` rows, room for ``capacity`` context rows each (it grows)."""
         c = self.config
         dev, dt = self.fc.weight.device, self._dtype()
-        z = lambda: torch.zeros(batch_size, c.num_key_value_heads, 0, c.head_dim, device=dev, dtype=dt)  # noqa: E731
-        return DFlashState([z() for _ in self.layers], [z() for _ in self.layers], 0)
+        cap = max(int(capacity or self.INITIAL_CAPACITY), 1) + c.block_size
+        z = lambda: torch.zeros(batch_size, c.num_key_value_heads, cap, c.head_dim, device=dev, dtype=dt)  # noqa: E731
+        return DFlashState([z() for _ in self.layers], [z() for _ in self.layers],
+                           torch.zeros(batch_size, dtype=torch.int64, device=dev), [0] * batch_size)
+
+    def _reserve(self, state: DFlashState, rows: int) -> None:
+        """Grow the buffers (doubling, rows kept) so that every row has room for ``rows`` rows."""
+        need = rows + self.config.block_size
+        if need <= state.capacity:
+            return
+        cap = max(need, 2 * state.capacity)
+        for group in (state.k_buf, state.v_buf):
+            for l, t in enumerate(group):
+                new = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+                new[:, :, :t.shape[2]] = t
+                group[l] = new
+
+    @staticmethod
+    def _rows(state: DFlashState, rows: Optional[slice], n: int, name: str) -> slice:
+        rows = slice(0, n) if rows is None else rows
+        start, stop = rows.start or 0, rows.stop
+        if rows.step not in (None, 1) or stop is None or not 0 <= start < stop <= state.batch_size \
+                or stop - start != n:
+            raise ValueError(f"{name}: expected {n} rows = state rows {rows} (a contiguous range inside "
+                             f"[0, {state.batch_size})), received {n}")
+        return slice(start, stop)
 
     @torch.no_grad()
-    def append_context(self, state: DFlashState, ctx_features: torch.Tensor) -> DFlashState:
-        """Project ``ctx_features [B,T,n*H]`` (target features of T newly
-        committed tokens, positions ``state.length .. state.length+T-1``) and
-        append their K/V rows to every layer. Returns the same ``state``."""
-        B, T, _ = ctx_features.shape
+    def append_context(self, state: DFlashState, ctx_features: torch.Tensor, counts: Optional[torch.Tensor] = None,
+                       rows: Optional[slice] = None) -> DFlashState:
+        """Project target features of newly committed tokens and append their K/V rows to every layer.
+
+        Args:
+            ctx_features: ``[R, T, n*H]``; feature row r feeds state row ``rows.start + r`` (default: rows
+                ``0 .. R-1``), at positions ``lengths[row] .. lengths[row] + counts[r] - 1``.
+            counts: ``[R] int64`` on the state's device: how many of the T feature rows are real (the rest is
+                written as scratch past the new length). None: all T, and the host lengths stay known; with
+                device counts the host mirror becomes unknown (:meth:`DFlashState.set_host_lengths`).
+            rows: a contiguous ``slice`` of state rows (default ``slice(0, R)``).
+        Returns the same ``state``. Nothing is read back to the host.
+        """
+        R, T, _ = ctx_features.shape
         if T == 0:
             return state
-        if state.batch_size != B:
-            raise ValueError(f"state holds batch {state.batch_size}, features have batch {B}")
+        sl = self._rows(state, rows, R, "ctx_features")
+        self._reserve(state, state.bound + T)
         h = self.project_context(ctx_features)
-        pos = torch.arange(state.length, state.length + T, device=h.device).expand(B, T)
+        dev = h.device
+        lengths = state.lengths[sl]
+        pos = lengths[:, None] + torch.arange(T, device=dev)
         kvs = self._context_kv(h, pos)
+        c = self.config
+        index = pos[:, None, :, None].expand(R, c.num_key_value_heads, T, c.head_dim)
         for l, (k, v) in enumerate(kvs):
-            state.k[l] = torch.cat([state.k[l], k], dim=2)
-            state.v[l] = torch.cat([state.v[l], v], dim=2)
-        state.length += T
+            state.k_buf[l][sl].scatter_(2, index, k.to(state.k_buf[l].dtype))
+            state.v_buf[l][sl].scatter_(2, index, v.to(state.v_buf[l].dtype))
+        lengths += T if counts is None else counts.to(torch.int64)
+        if counts is None and state.host_lengths is not None:
+            host = list(state.host_lengths)
+            for b in range(sl.start, sl.stop):
+                host[b] += T
+            state.set_host_lengths(host)
+        else:
+            state.host_lengths = None
+            state.bound += T
         return state
 
-    def rollback(self, state: DFlashState, length: int) -> DFlashState:
-        """Crop the context cache to its first ``length`` rows."""
-        if not 0 <= length <= state.length:
-            raise ValueError(f"rollback length {length} outside [0, {state.length}]")
-        state.k = [k[:, :, :length] for k in state.k]
-        state.v = [v[:, :, :length] for v in state.v]
-        state.length = length
+    def rollback(self, state: DFlashState, length) -> DFlashState:
+        """Crop the context cache: ``length`` an int (every row) or a host list of per-row lengths, each
+        within ``[0, current length]``."""
+        cur = state.host_lengths
+        want = [int(length)] * state.batch_size if isinstance(length, int) else [int(x) for x in length]
+        if len(want) != state.batch_size:
+            raise ValueError(f"rollback length: expected {state.batch_size} per-row lengths, received {len(want)}")
+        for b, n in enumerate(want):
+            if n < 0 or (cur is not None and n > cur[b]) or (cur is None and n > state.bound):
+                have = cur[b] if cur is not None else f"<= {state.bound}"
+                raise ValueError(f"rollback length {n} of row {b} outside [0, {have}]")
+        state.lengths.copy_(torch.tensor(want, dtype=torch.int64))
+        state.set_host_lengths(want)
         return state
+
+    def reset_row(self, state: DFlashState, row: int) -> None:
+        """Empty one row (a request left; the next one starts from no context)."""
+        state.lengths[row] = 0
+        if state.host_lengths is not None:
+            host = list(state.host_lengths)
+            host[row] = 0
+            state.set_host_lengths(host)
 
     @torch.no_grad()
-    def draft(self, state: DFlashState, bonus_tokens: torch.Tensor, embed_tokens, lm_head):
-        """One draft pass.
+    def draft(self, state: DFlashState, bonus_tokens: torch.Tensor, embed_tokens, lm_head,
+              rows: Optional[slice] = None, num_positions: Optional[int] = None):
+        """One draft pass for rows of the state (default: rows ``0 .. B-1``, one per bonus token).
 
-        bonus_tokens ``[B] int64``: the block is ``[bonus, MASK x D]`` at positions
-        ``state.length .. state.length+D`` (``D = block_size-1``), attending to all
-        context rows and bidirectionally inside the block.
-        Returns ``(logits [B,D,V] float32, hidden [B,D,H])`` for block positions
-        ``1..D``. The state is not modified.
+        bonus_tokens ``[B] int64``: row b's block is ``[bonus, MASK x D]`` at positions
+        ``lengths[b] .. lengths[b]+D`` (``D = block_size-1``), attending to its own context rows and
+        bidirectionally inside the block. Attention is one fused SDPA call per layer over the buffer in
+        place: without a mask when all rows have the same (host-known) context length, else with a boolean
+        key-padding mask. ``rows``: a contiguous ``slice`` of state rows.
+        ``num_positions`` P (default D): only block positions ``1..P`` are normed and projected onto the
+        vocabulary (a policy that never uses deeper positions passes its depth cap).
+        Returns ``(logits [B,P,V] float32, hidden [B,P,H])`` for block positions ``1..P`` (with a draft
+        vocabulary: ``-inf`` outside it, or ``[B,P,V_draft]`` when :attr:`full_vocab_logits` is False). The state's
+        lengths and context rows are not modified (the block's K/V go to scratch rows past each length).
         """
         c = self.config
         B = bonus_tokens.shape[0]
+        sl = self._rows(state, rows, B, "bonus_tokens")
         S = c.block_size
         dev = self.fc.weight.device
+        self._reserve(state, state.bound)
         ids = torch.full((B, S), self.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = bonus_tokens.to(dev)
         x = self._embed(embed_tokens, ids)
-        pos = torch.arange(state.length, state.length + S, device=dev).expand(B, S)
+        lengths = state.lengths[sl]
+        pos = lengths[:, None] + torch.arange(S, device=dev)
         cos, sin = self._rope(pos, x.dtype)
+        index = pos[:, None, :, None].expand(B, c.num_key_value_heads, S, c.head_dim)
+        host = None if state.host_lengths is None else state.host_lengths[sl]
+        if host is not None and len(set(host)) <= 1:
+            kv_len, key_mask = (host[0] if host else 0) + S, None
+        else:
+            kv_len = (max(host) if host is not None else state.bound) + S
+            key_mask = (torch.arange(kv_len, device=dev)[None, :] < (lengths + S)[:, None])[:, None, None, :]
         for l, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, state.k[l], state.v[l], None)
-        hidden = self.norm(x)[:, 1:]
+            x = layer.forward_cached(x, cos, sin, state.k_buf[l][sl], state.v_buf[l][sl], index, kv_len, key_mask)
+        D = S - 1
+        P = D if num_positions is None else int(num_positions)
+        if not 1 <= P <= D:
+            raise ValueError(f"num_positions: expected 1..{D} (block_size-1), received {num_positions}")
+        # only the positions the caller can use go through the final norm and the vocabulary head
+        hidden = self.norm(x[:, 1:1 + P])
         return self._vocab_logits(hidden, lm_head), hidden
 
+    #: reduced draft vocabulary (sorted int64 ids, see :meth:`set_draft_vocab`), or None (full vocabulary)
+    draft_vocab: Optional[torch.Tensor] = None
+    #: with a draft vocabulary: True (default) = :meth:`draft` returns full-size ``[B,P,V]`` logits with
+    #: ``-inf`` outside the draft vocabulary; False = the ``[B,P,V_draft]`` sub-vocabulary logits, whose
+    #: column ``j`` is token ``draft_vocab[j]`` (callers map top-k ids back through it).
+    full_vocab_logits: bool = True
+
+    def set_draft_vocab(self, ids: Optional[torch.Tensor]) -> None:
+        """Restrict draft proposals to ``ids`` (int64 ``[V_draft]``, distinct, inside ``[0, vocab_size)``;
+        stored sorted), or lift the restriction with None. Lossless for decoding: the target verifies every
+        proposal; tokens outside the set are never proposed."""
+        if ids is None:
+            self.draft_vocab, self.config.draft_vocab_size = None, None
+            return
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() == 0:
+            raise ValueError(f"draft vocab: expected a non-empty 1-D int64 tensor, received "
+                             f"{getattr(ids, 'dtype', type(ids))} {tuple(getattr(ids, 'shape', ()))}")
+        ids = ids.sort().values
+        V = self.config.vocab_size
+        if int(ids[0]) < 0 or int(ids[-1]) >= V or bool((ids[1:] == ids[:-1]).any()):
+            raise ValueError(f"draft vocab: ids must be distinct and inside [0, {V})")
+        self.draft_vocab = ids.to(self.fc.weight.device)
+        self.config.draft_vocab_size = int(ids.numel())
+
     def _vocab_logits(self, hidden: torch.Tensor, lm_head) -> torch.Tensor:
-        """``lm_head(hidden)`` in float32, computed in :attr:`head_dtype` (a cached copy of the weight)."""
+        """``lm_head(hidden)`` in float32, computed in :attr:`head_dtype` (a cached copy of the weight) over
+        the draft vocabulary when one is set (see :attr:`full_vocab_logits` for the output layout)."""
         w = lm_head.weight
         dt = self.head_dtype or w.dtype
+        ids = self.draft_vocab
         # 2-D rows: a strided 3-D input sends linear through a broadcast bmm, which copies the whole
         # [V, H] weight on every call for bf16.
         rows = hidden.reshape(-1, hidden.shape[-1]).to(dt)
-        if dt == w.dtype:
+        bias = getattr(lm_head, "bias", None)
+        if dt == w.dtype and ids is None:
             out = lm_head(rows)
         else:
-            key = (w.data_ptr(), w._version, dt)
+            key = (w.data_ptr(), w._version, dt, None if ids is None else (ids.data_ptr(), ids.numel()))
             if self._head_copy is None or self._head_copy[0] != key:
-                self._head_copy = (key, w.detach().to(dt))
-            bias = getattr(lm_head, "bias", None)
-            out = F.linear(rows, self._head_copy[1], None if bias is None else bias.to(dt))
-        return out.float().view(*hidden.shape[:-1], -1)
+                wc = w.detach() if ids is None else w.detach().index_select(0, ids.to(w.device))
+                bc = None if bias is None else (bias.detach() if ids is None else bias.detach()[ids.to(w.device)])
+                self._head_copy = (key, wc.to(dt).contiguous(), None if bc is None else bc.to(dt))
+            out = F.linear(rows, self._head_copy[1], self._head_copy[2])
+        out = out.float()
+        if ids is None or not self.full_vocab_logits:
+            return out.view(*hidden.shape[:-1], -1)
+        full = out.new_full((out.shape[0], w.shape[0]), float("-inf"))
+        full.index_copy_(1, ids.to(out.device), out)
+        return full.view(*hidden.shape[:-1], -1)
 
     # ---------------------------------------------------------------- training
     def forward_blocks(self, ctx_features: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor,
@@ -543,6 +740,10 @@ class DFlashDrafter(nn.Module):
         sd = {k: (v.to(dtype) if dtype is not None else v).contiguous().cpu()
               for k, v in self.folded_state_dict().items()}
         save_file(sd, str(p / "model.safetensors"), metadata={"format": "pt"})
+        if self.draft_vocab is not None:
+            save_file({"ids": self.draft_vocab.cpu().contiguous()}, str(p / DRAFT_VOCAB_FILE))
+        elif (p / DRAFT_VOCAB_FILE).exists():
+            (p / DRAFT_VOCAB_FILE).unlink()
 
 
 def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", target_config=None) -> DFlashDrafter:
@@ -557,7 +758,7 @@ def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", 
     cfg = DFlashConfig.from_pretrained(p)
     if target_config is not None:
         check_compatible(cfg, target_config)
-    files = sorted(p.glob("*.safetensors"))
+    files = [f for f in sorted(p.glob("*.safetensors")) if f.name != DRAFT_VOCAB_FILE]
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in drafter directory {p}")
     sd = {}
@@ -571,4 +772,15 @@ def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", 
     if missing or unexpected:
         raise ValueError(f"drafter weights in {p} do not match its config: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}")
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if cfg.draft_vocab_size is not None:
+        vf = p / DRAFT_VOCAB_FILE
+        if not vf.is_file():
+            raise FileNotFoundError(f"drafter config declares draft_vocab_size {cfg.draft_vocab_size} but {vf} "
+                                    f"is missing")
+        ids = load_file(str(vf))["ids"]
+        if ids.numel() != cfg.draft_vocab_size:
+            raise ValueError(f"{vf} holds {ids.numel()} ids, config declares draft_vocab_size "
+                             f"{cfg.draft_vocab_size}")
+        model.set_draft_vocab(ids.to(torch.int64))
+    return model

@@ -14,10 +14,10 @@ import torch
 
 from taps_kernels import ScorerWeights
 
-from .model import TapsScorer
+from taps.decode.policies.scorer_io import (CONFIG_FILE, WEIGHTS_FILE, load_scorer_weights,  # noqa: F401
+                                            read_config)
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+from .model import TapsScorer
 
 
 def save_scorer(path, model: TapsScorer, meta: Optional[dict] = None, readme: Optional[str] = None) -> Path:
@@ -33,35 +33,6 @@ def save_scorer(path, model: TapsScorer, meta: Optional[dict] = None, readme: Op
     if readme is not None:
         (p / "README.md").write_text(readme, encoding="utf-8")
     return p
-
-
-def read_config(path) -> dict:
-    p = Path(path)
-    f = p / CONFIG_FILE
-    if not f.is_file():
-        raise FileNotFoundError(f"scorer dir {p}: missing {CONFIG_FILE} (train one with `taps train-scorer`)")
-    return json.loads(f.read_text(encoding="utf-8"))
-
-
-def load_scorer_weights(path, device=None) -> Tuple[ScorerWeights, dict]:
-    """``(ScorerWeights on device, config dict)`` of a scorer directory."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    cfg = read_config(p)
-    wf = p / WEIGHTS_FILE
-    if not wf.is_file():
-        raise FileNotFoundError(f"scorer dir {p}: missing {WEIGHTS_FILE}")
-    tensors = load_file(str(wf))
-    eps = float(cfg.get("model", {}).get("ln_eps", 1e-5))
-    try:
-        w = ScorerWeights(ln_eps=eps, **{k: v.float() for k, v in tensors.items()})
-    except TypeError as e:
-        raise ValueError(f"scorer dir {p}: {WEIGHTS_FILE} does not hold ScorerWeights fields ({e})") from None
-    w.validate(name=str(wf))
-    if device is not None:
-        w = w.to(device=device)
-    return w, cfg
 
 
 def load_scorer(path) -> Tuple[TapsScorer, dict]:

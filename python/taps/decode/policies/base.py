@@ -7,6 +7,10 @@ as ``"ar"``, ``"dflash"`` or ``"ddtree:16"`` (name, then an optional argument
 after the first colon). Adding a policy therefore means adding a file, never
 editing the loop.
 
+Every policy builds the trees of all rows of a batch in one call, on the device, with static shapes
+(:class:`BuiltTree`); the loop reads the results back once per round and hands the host-side numbers to
+:meth:`TreePolicy.observe`.
+
 Policies that need more than the draft (a learned scorer reading the target's
 embeddings, a measured latency table) get them in :meth:`TreePolicy.bind`,
 called once by the decoder before the first round (they may raise there, e.g.
@@ -15,27 +19,54 @@ not to run (or load) a drafter at all.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 import time
-from typing import Callable, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from taps_kernels import Tree
+
+from ..tree_ops import chain_tree, root_only_tree  # noqa: F401  (re-exported: policies build these)
 
 
 class PolicyError(ValueError):
     """A policy spec that cannot be built (unknown name, bad argument)."""
 
 
+@dataclass
+class BuiltTree:
+    """One round's trees for every row of the batch.
+
+    Attributes:
+        tree: :class:`taps_kernels.Tree` ``[B, N]`` on the draft's device; node 0 of row b is ``bonus[b]``,
+            nodes in topological order, no node deeper than the row's depth cap. ``N`` is fixed per policy
+            (static shapes): rows with fewer real nodes are padded.
+        expected: ``[B] float32`` expected tokens of each row's tree (``1 + sum`` of its kept nodes' reach),
+            or None when the policy has no estimate (the loop reads it back with the round's results; the
+            draft gate uses it in :meth:`TreePolicy.observe`).
+        sizes: ``[B] int64`` non-root nodes the size rule chose per row (before the depth cap), or None.
+    """
+
+    tree: Tree
+    expected: Optional[torch.Tensor] = None
+    sizes: Optional[torch.Tensor] = None
+
+
 class TreePolicy:
-    """Builds the verification tree of one round.
+    """Builds the verification trees of one round, for every row of a batch at once.
 
     Attributes:
         name: the spec string it was built from (``"ddtree:16"``), used in reports.
         uses_drafter: False for policies that verify the root alone (plain autoregressive decoding);
             the loop then never runs or even loads a drafter.
+
+    A policy never reads tensor values on the host inside :meth:`build` (the round's one host read is the
+    loop's): host-side decisions (:meth:`wants_draft`) use what :meth:`observe` received from the previous
+    rounds' reads.
     """
 
     name: str = "base"
@@ -45,25 +76,35 @@ class TreePolicy:
         """Hook called once before decoding; policies with learned parts load or move them here."""
 
     def reset(self) -> None:
-        """Hook called by the decoder when a new generation starts (per-generation state goes here)."""
+        """Hook called by the decoder when a new batch starts (per-run state goes here)."""
 
     def wants_draft(self) -> bool:
-        """Whether the coming round runs the drafter; False makes the loop verify the root alone."""
+        """Whether the coming round runs the drafter (for the whole batch); False: every row verifies its
+        root alone."""
         return True
 
-    def build(self, draft_logits: Optional[torch.Tensor], draft_hidden: Optional[torch.Tensor],
-              bonus: torch.Tensor) -> Tuple[Tree, Dict[str, float]]:
-        """Return the tree to verify and the seconds spent per stage.
+    def observe(self, expected: Optional[List[float]], sizes: Optional[List[int]], times: Dict[str, float]) -> None:
+        """Host-side feedback after a drafted tree's round was read back: per running row the tree's
+        expected tokens and chosen size (None when the policy returned none), and the seconds of the stages
+        that built it (``draft``, ``pool``, ``scoring``, ``selection``)."""
+
+    def build(self, draft_logits: Optional[torch.Tensor], draft_hidden: Optional[torch.Tensor], bonus: torch.Tensor,
+              depth_cap: Optional[torch.Tensor] = None, timer=None, rows: Optional[int] = None) -> BuiltTree:
+        """Return the trees to verify.
 
         Args:
-            draft_logits: ``[1, D, V]`` drafter logits for block positions 1..D (position ``i`` proposes
+            draft_logits: ``[B, D, V]`` drafter logits for block positions 1..D (position ``i`` proposes
                 depth ``i + 1``), or None when ``uses_drafter`` is False.
-            draft_hidden: ``[1, D, H]`` drafter hidden states at the same positions (or None).
-            bonus: ``[1] int64`` the root token (the target's last, not yet verified, choice).
+            draft_hidden: ``[B, D, H]`` drafter hidden states at the same positions (or None).
+            bonus: ``[B] int64`` the roots (each row's last, not yet verified, target choice).
+            depth_cap: ``[B] int64`` deepest node each row may keep (nodes below could only produce tokens
+                the length limit truncates; 0 = root only), on the draft's device; None: no cap.
+            timer: stage timer (``with timer("pool"): ...``; :class:`taps.decode.timing.StageTimer`);
+                None: untimed.
+            rows: how many rows are running (a host int; default B); the others have depth cap 0 and
+                their trees are never verified.
         Returns:
-            ``(tree, timings)``: a :class:`taps_kernels.Tree` with batch 1, node 0 = ``bonus``, nodes in
-            topological order; ``timings`` maps stage names (``"pool"``, ``"scoring"``, ``"selection"``)
-            to seconds.
+            :class:`BuiltTree`.
         """
         raise NotImplementedError
 
@@ -71,24 +112,17 @@ class TreePolicy:
         return f"{type(self).__name__}({self.name!r})"
 
 
-def root_only_tree(bonus: torch.Tensor) -> Tree:
-    """Tree of the root alone: ``tokens [1,1] = bonus``."""
-    dev = bonus.device
-    return Tree(bonus.view(1, 1).to(torch.int64), torch.full((1, 1), -1, dtype=torch.int32, device=dev),
-                torch.zeros(1, 1, dtype=torch.int32, device=dev), torch.ones(1, dtype=torch.int32, device=dev))
+class _NoTimer:
+    def __call__(self, name):
+        return contextlib.nullcontext()
 
 
-def chain_tree(bonus: torch.Tensor, chain: torch.Tensor) -> Tree:
-    """Tree ``bonus -> chain[0] -> chain[1] -> ...``; ``chain [D] int64``; node i sits at depth i."""
-    dev = bonus.device
-    n = chain.numel() + 1
-    tokens = torch.cat([bonus.view(1).to(torch.int64), chain.view(-1).to(torch.int64)]).view(1, n)
-    idx = torch.arange(n, dtype=torch.int32, device=dev)
-    return Tree(tokens, (idx - 1).view(1, n), idx.view(1, n).clone(), torch.full((1,), n, dtype=torch.int32, device=dev))
+NO_TIMER = _NoTimer()
 
 
 class Stopwatch:
-    """Accumulates wall time per stage name: ``with sw("pool"): ...``; ``sw.times`` is the dict."""
+    """Accumulates host wall time per stage name: ``with sw("pool"): ...``; ``sw.times`` is the dict
+    (CPU only: a GPU stage needs :class:`taps.decode.timing.StageTimer`)."""
 
     def __init__(self):
         self.times: Dict[str, float] = {}

@@ -3,28 +3,36 @@ from __future__ import annotations
 
 import taps_kernels
 
-from .base import Stopwatch, TreePolicy, parse_budget, register_policy
+from ..tree_ops import truncate_depth
+from .base import NO_TIMER, BuiltTree, TreePolicy, parse_budget, register_policy
+
+#: ``--policy ddtree`` without a budget: the node budget (non-root nodes) per row. 8 sits between the best
+#: fixed budgets of the CPU benchmark (4 on HumanEval and MT-Bench, 8 within 4%:
+#: bench/results/taps_bench_cpu_full.md) and what GPUs favour (the published runs peak at 256-512).
+DEFAULT_BUDGET = 8
 
 
 class DDTreePolicy(TreePolicy):
-    """Best-first candidate pool with ``pool_size = budget``: the pool IS the DDTree tree of that budget.
+    """Best-first candidate pool with ``pool_size = budget`` per row: the pool IS the DDTree tree of that
+    budget (``N = budget + 1`` columns), cut at each row's depth cap.
 
     Only the top-``min(budget, V)`` tokens of a position can enter a tree of ``budget`` nodes, so that is
     the top-K used.
     """
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int = DEFAULT_BUDGET):
         self.budget = budget
 
-    def build(self, draft_logits, draft_hidden, bonus):
-        sw = Stopwatch()
-        with sw("pool"):
-            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.view(1).long(),
+    def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
+        timer = timer or NO_TIMER
+        with timer("pool"):
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(),
                                                top_k=min(self.budget, draft_logits.shape[-1]),
                                                pool_size=self.budget)
-        return pool.tree, sw.times
+            tree = pool.tree if depth_cap is None else truncate_depth(pool.tree, depth_cap)
+        return BuiltTree(tree)
 
 
-@register_policy("ddtree", "DDTree of budget B non-root nodes, e.g. ddtree:16")
+@register_policy("ddtree", f"DDTree of budget B non-root nodes per row (ddtree:B; default {DEFAULT_BUDGET})")
 def _make(arg):
-    return DDTreePolicy(parse_budget("ddtree", arg))
+    return DDTreePolicy(parse_budget("ddtree", arg, DEFAULT_BUDGET))

@@ -1,18 +1,21 @@
 """DFlash: verify the chain of per-position argmax draft tokens."""
 from __future__ import annotations
 
-from .base import PolicyError, Stopwatch, TreePolicy, chain_tree, register_policy
+from ..tree_ops import truncate_depth
+from .base import NO_TIMER, BuiltTree, PolicyError, TreePolicy, chain_tree, register_policy
 
 
 class DFlashPolicy(TreePolicy):
-    """Chain ``bonus -> argmax q_1 -> ... -> argmax q_D`` (ties: the smallest token id)."""
+    """Chain ``bonus -> argmax q_1 -> ... -> argmax q_D`` per row (ties: the smallest token id), cut at the
+    row's depth cap; ``N = D + 1`` columns."""
 
-    def build(self, draft_logits, draft_hidden, bonus):
-        sw = Stopwatch()
-        with sw("selection"):
-            chain = draft_logits[0].argmax(-1)
-            tree = chain_tree(bonus, chain)
-        return tree, sw.times
+    def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
+        timer = timer or NO_TIMER
+        with timer("selection"):
+            tree = chain_tree(bonus, draft_logits.argmax(-1))
+            if depth_cap is not None:
+                tree = truncate_depth(tree, depth_cap)
+        return BuiltTree(tree)
 
 
 @register_policy("dflash", "DFlash: the argmax chain of the D draft positions")

@@ -28,7 +28,8 @@ import torch
 import taps_kernels
 from taps_kernels import Tree
 
-from .base import TreePolicy, root_only_tree
+from ..tree_ops import depth_mask, effective_reach, keep_top
+from .base import BuiltTree, TreePolicy
 
 #: Longest run of plain rounds between two probes.
 DEFAULT_MAX_SKIP = 16
@@ -77,9 +78,10 @@ class DraftGate:
             self.backoff = min(2 * self.backoff, self.max_skip)
 
 
-def plain_round_seconds(latency: dict) -> float:
-    """Seconds of a plain (root-only, undrafted) round: the 1-node verify plus the drafter's context update."""
-    return float(latency["latency"][0]) + float(latency.get("t0_parts", {}).get("context", 0.0))
+def plain_round_seconds(latency: dict, rows: int = 1) -> float:
+    """Seconds of a plain (root-only, undrafted) round of ``rows`` rows: their verify plus the drafter's
+    context update."""
+    return float(batch_table(latency, rows, 0)[0]) + float(latency.get("t0_parts", {}).get("context", 0.0))
 
 
 def throughput_size(log_reach: torch.Tensor, latency: torch.Tensor, plain_s: float):
@@ -99,11 +101,65 @@ def throughput_size(log_reach: torch.Tensor, latency: torch.Tensor, plain_s: flo
     return gain.argmax(1), top  # first maximum: the smaller tree on ties
 
 
-class GatedPolicy(TreePolicy):
-    """Base of the throughput-rule policies: tree size from the latency table, and a :class:`DraftGate`.
+def batch_table(latency: dict, rows: int, n_total: int) -> torch.Tensor:
+    """``[n_total + 1] float64`` seconds to verify ``rows`` roots plus ``n`` tree nodes in total.
 
-    **Size.** Long-run tokens per second, not each round's own ratio, is what a decode maximises. When a
-    tree is chosen the drafter pass is already paid, so (renewal-reward argument) node ``i`` of the
+    From ``latency["batch_latency"][str(rows)]`` when ``taps calibrate --batch-sizes`` measured it (extended
+    linearly past its end); otherwise from the single-row table by total verified rows, ``latency[rows - 1 + n]``
+    (the CPU model: a verify's cost follows the rows it runs, whichever request they belong to), extended
+    linearly past its end. ``rows = 1`` is the single-row table itself.
+    """
+    measured = (latency.get("batch_latency") or {}).get(str(rows)) if rows > 1 else None
+    if measured:
+        base, offset = [float(x) for x in measured], 0
+    else:
+        base, offset = [float(x) for x in latency["latency"]], rows - 1
+    slope = base[-1] - base[-2] if len(base) > 1 else 0.0
+    out = []
+    for n in range(n_total + 1):
+        i = n + offset
+        out.append(base[i] if i < len(base) else base[-1] + slope * (i - len(base) + 1))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def joint_sizes(log_reach: torch.Tensor, table: torch.Tensor, plain_s: float, rows: int, max_nodes: int):
+    """The batch throughput rule: per-row tree sizes chosen jointly (definition: :class:`GatedPolicy`).
+
+    Args:
+        log_reach: ``[B, N]`` effective log reach, root first; padding and nodes past a row's depth cap ``-inf``.
+        table: ``[L] float64`` seconds to verify the batch's roots plus ``n`` nodes in total (:func:`batch_table`).
+        plain_s: seconds of a plain round of the batch.
+        rows: running rows (the batch's plain round makes ``rows`` tokens).
+        max_nodes: per-row cap.
+    Returns:
+        ``(sizes [B] int64, expected [B] float32, total int64 scalar)``, all on the device: nodes kept per row,
+        ``1 + sum`` of their reach, and the batch's total. Ties go to the smaller tree, then the smaller row.
+    """
+    B, N = log_reach.shape
+    cap = max(0, min(max_nodes, N - 1))
+    dev = log_reach.device
+    if cap == 0:
+        z = torch.zeros(B, dtype=torch.int64, device=dev)
+        return z, torch.ones(B, dtype=torch.float32, device=dev), z.sum()
+    per_row = log_reach[:, 1:].double().topk(cap, dim=1).values.exp()  # [B, cap], descending; -inf -> 0
+    flat = per_row.reshape(-1)
+    order = torch.sort(-flat, stable=True).indices  # row-major ties: lower row, then lower rank first
+    K = min(flat.numel(), table.numel() - 1)
+    order = order[:K]
+    gain = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)]) - rows * (table[:K + 1].to(dev) - table[0]) / plain_s
+    k = gain.argmax()  # first maximum: the smaller batch tree on ties
+    taken = (torch.arange(K, device=dev) < k).to(flat.dtype)
+    row_of = order // cap
+    sizes = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, row_of, taken).to(torch.int64)
+    mass = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, row_of, taken * flat[order])
+    return sizes, (1.0 + mass).float(), k
+
+
+class GatedPolicy(TreePolicy):
+    """Base of the throughput-rule policies: tree sizes from the latency table, and a :class:`DraftGate`.
+
+    **Size (one row).** Long-run tokens per second, not each round's own ratio, is what a decode maximises.
+    When a tree is chosen the drafter pass is already paid, so (renewal-reward argument) node ``i`` of the
     reach-ordered list is worth verifying when its reach exceeds the tokens the policy could otherwise
     produce in the time it adds: ``n* = argmax_n sum_{i<=n} r_(i) - rho * (latency[n] - latency[0])``.
     ``rho`` is the plain-round rate ``1 / (latency[0] + t_context)``: the long-run rate these CPUs reach is
@@ -113,37 +169,81 @@ class GatedPolicy(TreePolicy):
     along a path), so the tree is :func:`taps_kernels.select_subtree`'s top-``n*``; ``n* = 0`` verifies the
     root alone.
 
-    **Gate.** Each drafted round records its expected rate (``1 + sum r`` over ``t0 + latency[n*]``, ``t0``
-    the fixed round time plus the policy's own overhead) over a plain round's; ``gate=False`` drafts every
-    round.
+    **Size (a batch of R rows, decided jointly).** Take the candidate nodes of all rows (each row's best
+    ``max_nodes`` by reach, nodes below its depth cap excluded) in order of reach, and keep each while its
+    expected tokens pay for the verify time it adds at the batch's total node count:
+    ``k* = argmax_k sum_{i<=k} r_(i) - R * (T_R[k] - T_R[0]) / t_plain_R``, where ``T_R[k]`` is the measured
+    time to verify R roots plus k nodes in total (:func:`batch_table`) and ``R / t_plain_R`` the batch's
+    plain-round rate. Row b's tree is its best ``n_b`` nodes, ``n_b`` = its nodes among the first ``k*``
+    (a prefix of its own list, hence prefix-closed). R = 1 is the one-row rule. A row whose draft is poor
+    gets few nodes; a batch on a GPU (flat ``T_R``) gets large trees in every row.
 
-    Subclasses call :meth:`_bind_throughput` from ``bind`` and :meth:`_throughput_tree` from ``build``.
+    **Gate (the batch).** After each drafted round the loop reads back each row's expected tokens
+    (``1 + sum r``) and size; :meth:`observe` records the batch's expected rate ``sum_b E_b / (t0 + overhead
+    + T_R[sum n_b])`` over the plain round's ``R / t_plain_R`` (``t0`` the fixed round time, overhead this
+    policy's own measured pool/score/select time); the gate then decides for the whole batch whether the
+    next rounds draft. ``gate=False`` drafts every round.
+
+    Subclasses call :meth:`_bind_throughput` from ``bind`` and :meth:`_throughput_build` from ``build``.
     """
 
     def __init__(self, gate: bool = True):
         self.use_gate = bool(gate)
         self.gate: Optional[DraftGate] = None
-        self._table: Optional[torch.Tensor] = None
+        self._latency: Optional[dict] = None
+        self._tables = {}
         self._t0 = 0.0
-        self._plain_s = 0.0
+        self._max_nodes = 0
+        self.overhead = OverheadTracker()
+
+    @property
+    def _table(self) -> Optional[torch.Tensor]:
+        """The one-row table (seconds for root + n nodes, ``n <= max_nodes``)."""
+        return None if self._latency is None else self._batch_table(1)
 
     def _bind_throughput(self, latency: dict, max_nodes: int) -> None:
-        """Keep the table (seconds for root + n nodes, ``n <= max_nodes``), the fixed and the plain-round time."""
-        self._table = torch.tensor(latency["latency"][: max_nodes + 1], dtype=torch.float64)
+        """Keep the latency table, the fixed round time and the node cap; make the gate."""
+        self._latency = latency
+        self._tables = {}
         self._t0 = float(latency.get("t0", 0.0))
-        self._plain_s = plain_round_seconds(latency)
+        self._max_nodes = int(max_nodes)
         self.gate = DraftGate() if self.use_gate else None
 
-    def _throughput_tree(self, tree: Tree, log_reach: torch.Tensor, overhead_s: float) -> Tree:
-        """The size-``n*`` prefix of ``tree`` (``[1, N]`` pool) by ``log_reach [1, N]``; feeds the gate."""
-        sizes, top = throughput_size(log_reach, self._table, self._plain_s)
-        n = int(sizes[0])
-        if self.gate is not None:
-            expected = 1.0 + float(top[0, :n].sum())
-            self.gate.record(expected * self._plain_s / (self._t0 + overhead_s + float(self._table[n])))
-        if n == 0:
-            return root_only_tree(tree.tokens[:, 0])
-        return taps_kernels.select_subtree(tree, log_reach, n, rule="reach").tree
+    def _batch_table(self, rows: int) -> torch.Tensor:
+        if rows not in self._tables:
+            self._tables[rows] = batch_table(self._latency, rows, rows * self._max_nodes)
+        return self._tables[rows]
+
+    def _plain_s(self, rows: int = 1) -> float:
+        return float(self._batch_table(rows)[0]) + float(self._latency.get("t0_parts", {}).get("context", 0.0))
+
+    def _throughput_build(self, tree: Tree, log_reach: torch.Tensor, depth_cap: Optional[torch.Tensor],
+                          levels: int, rows: Optional[int] = None) -> BuiltTree:
+        """Trees of the joint rule from a pool ``tree [B, N]`` and its ``log_reach [B, N]``: the library's
+        top-``max_nodes`` selection, then each row's ``n_b`` best (and the depth cap), ``N = max_nodes + 1``.
+        ``rows``: running rows (default B; rows with depth cap 0 claim no nodes)."""
+        B = tree.batch_size
+        rows = B if rows is None else rows
+        e = effective_reach(tree, log_reach, levels)
+        if depth_cap is not None:
+            e = e.masked_fill(~depth_mask(tree, depth_cap), float("-inf"))
+            e[:, 0] = 0.0
+        sizes, expected, _ = joint_sizes(e, self._batch_table(rows), self._plain_s(rows), rows, self._max_nodes)
+        sel = taps_kernels.select_subtree(tree, e, self._max_nodes, rule="reach")
+        e_sel = e.gather(1, sel.pool_index.clamp(min=0))
+        return BuiltTree(keep_top(sel.tree, e_sel, sizes, depth_cap, levels), expected, sizes)
+
+    def observe(self, expected, sizes, times) -> None:
+        if self._latency is None:
+            return
+        own = sum(times.get(k, 0.0) for k in ("pool", "scoring", "selection"))
+        if self.gate is not None and expected is not None and sizes is not None and expected:
+            rows = len(expected)
+            table = self._batch_table(rows)
+            k = min(int(sum(sizes)), table.numel() - 1)
+            rate = sum(expected) / (self._t0 + self.overhead.get() + float(table[k]))
+            self.gate.record(rate * self._plain_s(rows) / rows)
+        self.overhead.update(own)
 
     def reset(self) -> None:
         if self.gate is not None:
@@ -151,3 +251,20 @@ class GatedPolicy(TreePolicy):
 
     def wants_draft(self) -> bool:
         return self.gate is None or self.gate.wants_draft()
+
+
+#: Weight of the newest round in the running mean of a policy's own overhead (added to ``t0``).
+OVERHEAD_EMA = 0.2
+
+
+class OverheadTracker:
+    """Running mean of a policy's own per-round seconds (pool + scoring + selection)."""
+
+    def __init__(self):
+        self.value: Optional[float] = None
+
+    def update(self, seconds: float) -> None:
+        self.value = seconds if self.value is None else (1 - OVERHEAD_EMA) * self.value + OVERHEAD_EMA * seconds
+
+    def get(self) -> float:
+        return self.value or 0.0

@@ -6,7 +6,7 @@ Triton kernel on a GPU, reference/C++ on CPU), then one of two selection rules:
 
 * ``taps[:N]`` (default TAPS): the throughput rule. Because reach never grows along a path, the top-``n``
   nodes by reach are prefix-closed; the size ``n*`` maximises long-run expected tokens per second with
-  the measured latency table of this machine and model (:mod:`taps.scoring.latency`): a node is kept
+  the measured latency table of this machine and model (:mod:`taps.decode.latency`): a node is kept
   while its reach exceeds the plain-decoding tokens its verify time would have bought (the rule and why
   not the per-round ratio: :class:`.gate.GatedPolicy`); ``N`` caps the nodes (default 64). With draft
   gating (:mod:`.gate`): after rounds whose best tree was predicted to lose to a plain root-only round
@@ -34,56 +34,38 @@ import torch
 
 import taps_kernels
 
-from .base import PolicyError, Stopwatch, parse_budget, register_policy
-from .gate import GatedPolicy
+from ..latency import get_table
+from ..tree_ops import truncate_depth
+from .base import NO_TIMER, BuiltTree, PolicyError, parse_budget, register_policy
+from .gate import GatedPolicy, OverheadTracker  # noqa: F401  (OverheadTracker: re-exported)
+from .scorer_io import load_scorer_weights
 
 DEFAULT_POOL_SIZE = 128
 DEFAULT_CAP = 64
 LAMBDA_NODE = 1.0
 LAMBDA_DEPTH = 0.002
 DEFAULT_MIN_UTILITY = 0.01
-#: Weight of the newest round in the running mean of this policy's own overhead (added to ``t0``).
-OVERHEAD_EMA = 0.2
 
 
 def scorer_dir(tiny: bool = False) -> Path:
     env = os.environ.get("TAPS_SCORER_TINY" if tiny else "TAPS_SCORER")
     if env:
         return Path(env)
-    from taps import paths  # $TAPS_HOME, then package data, then the source checkout
-
-    name = paths.SCORER_TINY if tiny else paths.SCORER
-    try:
-        return paths.checkpoint_dir(name)
-    except FileNotFoundError:
-        return paths.checkpoint_candidates(name)[-1]  # the loader names the missing directory
-
-
-class OverheadTracker:
-    """Running mean of a policy's own per-round seconds (pool + scoring + selection)."""
-
-    def __init__(self):
-        self.value: Optional[float] = None
-
-    def update(self, seconds: float) -> None:
-        self.value = seconds if self.value is None else (1 - OVERHEAD_EMA) * self.value + OVERHEAD_EMA * seconds
-
-    def get(self) -> float:
-        return self.value or 0.0
+    return DEFAULT_SCORER.with_name(DEFAULT_SCORER.name + "-tiny") if tiny else DEFAULT_SCORER
 
 
 class TapsPolicy(GatedPolicy):
     """Scorer reach + throughput rule (``rule="reach"``) or published utility rule (``rule="utility"``).
 
     Args:
-        max_nodes: node cap ``N`` (non-root nodes).
+        max_nodes: node cap ``N`` (non-root nodes per row).
         rule: ``"reach"`` (with the latency table), ``"fixed"`` (top ``max_nodes`` by reach) or ``"utility"``.
         pool_size: candidate pool size (non-root nodes).
         tiny: use the 7-scalar scorer.
         min_utility: the utility rule's stopping threshold.
         scorer: a scorer directory (default: :func:`scorer_dir`), or already loaded ScorerWeights.
-        latency: optional latency table dict (``{"latency": [...], "t0": s}``); default: measured/cached
-            for the bound target in :meth:`bind`.
+        latency: optional latency table dict (``{"latency": [...], "t0": s}``, optionally ``"batch_latency"``);
+            default: measured/cached for the bound target in :meth:`bind`.
         gate: skip the drafter after rounds predicted to lose to plain decoding (:mod:`.gate`); throughput
             rule only.
     """
@@ -102,11 +84,8 @@ class TapsPolicy(GatedPolicy):
         self.top_k = top_k
         self.weights = None
         self.emb = None
-        self.overhead = OverheadTracker()
 
     def bind(self, target_model, drafter, device) -> None:
-        from taps.scoring.io import load_scorer_weights
-
         if self.weights is None:
             if isinstance(self.scorer, taps_kernels.ScorerWeights):
                 w, cfg = self.scorer, {}
@@ -132,34 +111,33 @@ class TapsPolicy(GatedPolicy):
             if self.emb.dtype != torch.float32:
                 self.emb = self.emb.float()
         if self.rule == "reach" and self.latency is None:
-            from taps.scoring.latency import get_table
-
             self.latency = get_table(target_model, drafter, n_max=self.max_nodes)
         if self.rule == "reach":
             self._bind_throughput(self.latency, self.max_nodes)
 
-    def build(self, draft_logits, draft_hidden, bonus):
+    def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         if self.weights is None:
             raise RuntimeError(f"policy {self.name}: bind() was not called (the decoder calls it)")
-        sw = Stopwatch()
-        V = draft_logits.shape[-1]
-        with sw("pool"):
-            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.view(1).long(),
+        timer = timer or NO_TIMER
+        V, D = draft_logits.shape[-1], draft_logits.shape[1]
+        with timer("pool"):
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(),
                                                top_k=min(self.top_k or 64, V), pool_size=self.pool_size)
-        with sw("scoring"):
+        with timer("scoring"):
             hid = draft_hidden.float() if self.weights.full else None
             _, _, log_reach = taps_kernels.score_edges(pool, self.weights, self.emb if self.weights.full else None, hid)
-        with sw("selection"):
+        with timer("selection"):
+            if self.rule == "reach":
+                return self._throughput_build(pool.tree, log_reach, depth_cap, D, rows)
             if self.rule == "fixed":
                 tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="reach").tree
-            elif self.rule == "reach":
-                tree = self._throughput_tree(pool.tree, log_reach, self.overhead.get())
             else:
                 tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="utility",
                                                    lambda_node=LAMBDA_NODE, lambda_depth=LAMBDA_DEPTH,
                                                    min_utility=self.min_utility).tree
-        self.overhead.update(sum(sw.times.values()))
-        return tree, sw.times
+            if depth_cap is not None:
+                tree = truncate_depth(tree, depth_cap)
+        return BuiltTree(tree)
 
 
 @register_policy("taps", "TAPS, throughput rule on scorer reach with the measured latency table and draft gating; "

@@ -1,0 +1,286 @@
+"""Verify-latency tables for the throughput rule: ``latency[n]`` = seconds for one target forward over
+root + ``n`` tree nodes on top of a cache, and ``t0`` = the fixed per-round time outside verification.
+
+Measured on the current machine (``taps calibrate``), never assumed (METHOD.md section 6), and
+cached as JSON per machine and model under ``$TAPS_CACHE/latency/`` (default ``~/.cache/taps``).
+
+Procedure: prefill ``prefix_len`` random tokens; for each ``n`` of a grid (every ``n <= 16``, then every
+4th up to 64, every 16th beyond) run the same verification the decode loop runs
+(:class:`taps.decode.verifier.TargetVerifier`, hidden states requested when a drafter reads them) over a
+random tree of ``n`` non-root nodes, ``repeats`` times after one warm-up, crop the cache back, keep the
+median. The table is interpolated linearly between grid points and made non-decreasing (isotonic fit,
+pool-adjacent-violators), since noise on a shared machine can invert neighbours. ``t0`` is the median
+time of a drafter pass plus the drafter's context update (0 without a drafter); each policy adds its own
+measured pool/score/select overhead on top.
+
+Batch tables (``batch_sizes``, ``taps calibrate --batch-sizes``): for ``R`` rows, ``batch_latency[R][n]`` = seconds
+of one verify of ``R`` rows (prefixes of ``prefix_len`` tokens) holding ``n`` non-root nodes in total, spread as
+evenly as the rows allow and padded to the largest row, exactly as the batched loop runs it. Measured on a
+coarser grid (multiples of ``R``) and interpolated like the one-row table.
+
+This module sits below the decode loop (the throughput-rule policies read the table); the scorer's
+training and evaluation code imports it from here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from taps_kernels import Tree
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TAPS_CACHE", "~/.cache/taps")).expanduser()
+
+
+def machine_key(device: Optional[torch.device] = None) -> str:
+    """CPU model, core count and torch threads (plus the GPU name on CUDA): what the latency depends on."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        return f"cuda-{torch.cuda.get_device_name(dev)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"cpu-{cpu}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
+
+
+def model_key(model) -> str:
+    """Name (basename of ``name_or_path``), layers, width, dtype and linear kernel of the target."""
+    from taps_kernels.integrations.rows_linear import RowsLinear
+
+    cfg = model.config
+    name = Path(str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "model"))).name or "model"
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    # the few-row kernel changes the verify cost per node count: its tables are kept apart
+    linear = "-rowslinear" if any(isinstance(m, RowsLinear) for m in model.modules()) else ""
+    return f"{name}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}-{dtype}{linear}"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)[:180]
+
+
+def cache_path(machine: str, model: str, root: Optional[Path] = None) -> Path:
+    return (root or cache_root()) / "latency" / f"{_slug(model)}__{_slug(machine)}.json"
+
+
+def default_grid(n_max: int) -> List[int]:
+    """``0..16``, every 4th to 64, every 16th beyond, and ``n_max`` itself (all ``<= n_max``)."""
+    g = set(range(0, min(n_max, 16) + 1))
+    g.update(range(20, min(n_max, 64) + 1, 4))
+    g.update(range(80, n_max + 1, 16))
+    g.add(n_max)
+    return sorted(g)
+
+
+def isotonic(values: List[float]) -> List[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    out = []
+    for m, c in blocks:
+        out += [m] * c
+    return out
+
+
+def interpolate(points: Dict[int, float], n_max: int) -> List[float]:
+    """Linear interpolation of ``{n: seconds}`` onto ``n = 0..n_max`` (flat beyond the ends)."""
+    xs = sorted(points)
+    out = []
+    for n in range(n_max + 1):
+        if n <= xs[0]:
+            out.append(points[xs[0]])
+        elif n >= xs[-1]:
+            out.append(points[xs[-1]])
+        else:
+            j = next(i for i, x in enumerate(xs) if x >= n)
+            x0, x1 = xs[j - 1], xs[j]
+            w = (n - x0) / (x1 - x0)
+            out.append(points[x0] * (1 - w) + points[x1] * w)
+    return out
+
+
+def random_tree(n: int, vocab: int, gen: torch.Generator, device=None) -> Tree:
+    """Batch-1 tree of root + ``n`` nodes: node ``i`` hangs under a random earlier node, depth <= 15."""
+    parents, depth = [-1], [0]
+    for i in range(1, n + 1):
+        while True:
+            p = int(torch.randint(0, i, (1,), generator=gen))
+            if depth[p] < 15:
+                break
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    tokens = torch.randint(0, vocab, (1, n + 1), generator=gen)
+    return Tree(tokens.to(device), torch.tensor([parents], dtype=torch.int32, device=device),
+                torch.tensor([depth], dtype=torch.int32, device=device),
+                torch.tensor([n + 1], dtype=torch.int32, device=device))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int = 3, drafter=None,
+                    grid: Optional[List[int]] = None, seed: int = 0, progress: bool = False,
+                    batch_sizes: Optional[List[int]] = None) -> dict:
+    """Measure the table on this machine (see the module docstring).
+
+    Returns a dict: ``latency`` (``n_max + 1`` seconds, non-decreasing, index = non-root nodes),
+    ``raw`` (``{n: median seconds}`` at the grid points), ``t0`` (seconds), ``t0_parts``, ``prefix_len``,
+    ``repeats``, ``machine``, ``model``, ``created``.
+    """
+    from .verifier import TargetVerifier
+
+    if n_max < 0:
+        raise ValueError(f"n_max: expected >= 0, received {n_max}")
+    device = next(model.parameters()).device
+    layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else None
+    ver = TargetVerifier(model, layer_ids)
+    gen = torch.Generator().manual_seed(seed)
+    V = int(model.config.vocab_size)
+    prompt = torch.randint(0, V, (1, prefix_len), generator=gen)
+    _, feats = ver.prefill(prompt)
+    grid = sorted(set(grid)) if grid is not None else default_grid(n_max)
+    raw = {}
+    it = grid
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(grid, desc="calibrate", unit="n")
+    for n in it:
+        tree = random_tree(n, V, gen, device)
+        times = []
+        for r in range(repeats + 1):
+            _sync(device)
+            t = time.perf_counter()
+            ver.verify(tree)
+            _sync(device)
+            dt = time.perf_counter() - t
+            ver.crop(prefix_len)
+            if r:
+                times.append(dt)
+        raw[n] = statistics.median(times)
+    table = isotonic(interpolate(raw, n_max))
+    t0_parts = {}
+    if drafter is not None:
+        state = drafter.new_state(1)
+        drafter.append_context(state, feats)
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        bonus = prompt[:, -1].to(device)
+        dts, cts = [], []
+        for r in range(repeats + 1):
+            _sync(device)
+            t = time.perf_counter()
+            drafter.draft(state, bonus, embed, head)
+            _sync(device)
+            t1 = time.perf_counter()
+            drafter.append_context(state, feats[:, :4])
+            _sync(device)
+            t2 = time.perf_counter()
+            drafter.rollback(state, prefix_len)
+            if r:
+                dts.append(t1 - t)
+                cts.append(t2 - t1)
+        t0_parts = {"draft": statistics.median(dts), "context": statistics.median(cts)}
+    batch = {}
+    for rows in sorted(set(int(b) for b in (batch_sizes or []) if int(b) > 1)):
+        batch[str(rows)] = measure_batch_latency(model, rows, n_max, prefix_len, repeats, layer_ids, seed)
+    out_batch = {"batch_latency": batch} if batch else {}
+    return {"latency": table, "raw": {str(k): v for k, v in raw.items()}, "t0": sum(t0_parts.values()), **out_batch,
+            "t0_parts": t0_parts, "prefix_len": prefix_len, "repeats": repeats, "n_max": n_max,
+            "machine": machine_key(device), "model": model_key(model), "device": str(device),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+@torch.inference_mode()
+def measure_batch_latency(model, rows: int, n_max: int, prefix_len: int = 256, repeats: int = 3,
+                          feature_layer_ids=None, seed: int = 0) -> List[float]:
+    """``[rows * n_max + 1]`` seconds: one verify of ``rows`` rows holding ``n`` non-root nodes in total
+    (module docstring), non-decreasing."""
+    from .tree_ops import pad_tree
+    from .verifier import TargetVerifier
+
+    if rows < 1:
+        raise ValueError(f"rows: expected >= 1, received {rows}")
+    device = next(model.parameters()).device
+    ver = TargetVerifier(model, feature_layer_ids, max_batch=rows)
+    ver.reset(rows, prefix_len + n_max + 2)
+    gen = torch.Generator().manual_seed(seed)
+    V = int(model.config.vocab_size)
+    for r in range(rows):
+        ver.prefill_row(r, torch.randint(0, V, (prefix_len,), generator=gen).tolist())
+    total = rows * n_max
+    grid = sorted(set(range(0, total + 1, rows)) | {total})
+    raw = {}
+    for n in grid:
+        per = [n // rows + (1 if r < n % rows else 0) for r in range(rows)]
+        trees = [random_tree(k, V, gen, device) for k in per]
+        width = max(per) + 1
+        trees = [pad_tree(t, width) for t in trees]
+        tree = Tree(*(torch.cat([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "depth", "num_nodes")))
+        times = []
+        for r in range(repeats + 1):
+            _sync(device)
+            t = time.perf_counter()
+            ver.verify_batch(tree, rows)
+            _sync(device)
+            if r:
+                times.append(time.perf_counter() - t)
+        raw[n] = statistics.median(times)
+    return isotonic(interpolate(raw, total))
+
+
+def save_table(table: dict, path: Optional[Path] = None) -> Path:
+    p = Path(path) if path else cache_path(table["machine"], table["model"])
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, p)
+    return p
+
+
+def load_table(path) -> dict:
+    """Read a table JSON; checks that ``latency`` is a non-empty list of finite seconds."""
+    p = Path(path)
+    t = json.loads(p.read_text(encoding="utf-8"))
+    lat = t.get("latency")
+    if not isinstance(lat, list) or not lat or not all(isinstance(x, (int, float)) and x == x for x in lat):
+        raise ValueError(f"latency table {p}: expected a non-empty 'latency' list of seconds")
+    t.setdefault("t0", 0.0)
+    return t
+
+
+def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool = False,
+              repeats: int = 2, batch_sizes: Optional[List[int]] = None) -> dict:
+    """The cached table for this machine and model (``$TAPS_LATENCY`` or ``path`` overrides the cache
+    location); measured now and cached when missing or shorter than ``n_max + 1``."""
+    path = path or os.environ.get("TAPS_LATENCY")
+    device = next(model.parameters()).device
+    p = Path(path) if path else cache_path(machine_key(device), model_key(model))
+    if p.is_file() and not recalibrate:
+        t = load_table(p)
+        if len(t["latency"]) >= n_max + 1 or path:
+            return t
+    t = measure_latency(model, n_max=n_max, drafter=drafter, repeats=repeats, batch_sizes=batch_sizes)
+    save_table(t, p)
+    return t
