@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import hf_greedy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps.scoring.evaluate import evaluate_scorer, reliability
 from taps.scoring.latency import get_table, isotonic, measure_latency
@@ -40,13 +41,6 @@ def traces(models, tmp_path_factory):
                              stop_ids=set(), prompt_index=i)
     save_file(stack_records(recs), str(d / "traces_00000.safetensors"))
     return d, load_traces(d)
-
-
-def hf_greedy(model, prompt, n):
-    inp = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_trace_records_follow_the_greedy_continuation(models):
