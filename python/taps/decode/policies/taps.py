@@ -51,7 +51,13 @@ def scorer_dir(tiny: bool = False) -> Path:
     env = os.environ.get("TAPS_SCORER_TINY" if tiny else "TAPS_SCORER")
     if env:
         return Path(env)
-    return DEFAULT_SCORER.with_name(DEFAULT_SCORER.name + "-tiny") if tiny else DEFAULT_SCORER
+    from taps import paths  # $TAPS_HOME, then package data, then the source checkout
+
+    name = paths.SCORER_TINY if tiny else paths.SCORER
+    try:
+        return paths.checkpoint_dir(name)
+    except FileNotFoundError:
+        return paths.checkpoint_candidates(name)[-1]  # the loader names the missing directory
 
 
 class TapsPolicy(GatedPolicy):
