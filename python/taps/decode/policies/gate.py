@@ -21,7 +21,7 @@ Losslessness is untouched: a skipped round is a root-only tree, verified like an
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -81,7 +81,7 @@ class DraftGate:
 def plain_round_seconds(latency: dict, rows: int = 1) -> float:
     """Seconds of a plain (root-only, undrafted) round of ``rows`` rows: their verify plus the drafter's
     context update."""
-    return float(batch_table(latency, rows, 0)[0]) + float(latency.get("t0_parts", {}).get("context", 0.0))
+    return batch_seconds(latency, rows, 0)[0] + float(latency.get("t0_parts", {}).get("context", 0.0))
 
 
 def throughput_size(log_reach: torch.Tensor, latency: torch.Tensor, plain_s: float):
@@ -102,7 +102,12 @@ def throughput_size(log_reach: torch.Tensor, latency: torch.Tensor, plain_s: flo
 
 
 def batch_table(latency: dict, rows: int, n_total: int) -> torch.Tensor:
-    """``[n_total + 1] float64`` seconds to verify ``rows`` roots plus ``n`` tree nodes in total.
+    """:func:`batch_seconds` as a ``[n_total + 1] float64`` tensor."""
+    return torch.tensor(batch_seconds(latency, rows, n_total), dtype=torch.float64)
+
+
+def batch_seconds(latency: dict, rows: int, n_total: int) -> List[float]:
+    """``n_total + 1`` seconds (host floats) to verify ``rows`` roots plus ``n`` tree nodes in total.
 
     From ``latency["batch_latency"][str(rows)]`` when ``taps calibrate --batch-sizes`` measured it (extended
     linearly past its end); otherwise from the single-row table by total verified rows, ``latency[rows - 1 + n]``
@@ -119,7 +124,7 @@ def batch_table(latency: dict, rows: int, n_total: int) -> torch.Tensor:
     for n in range(n_total + 1):
         i = n + offset
         out.append(base[i] if i < len(base) else base[-1] + slope * (i - len(base) + 1))
-    return torch.tensor(out, dtype=torch.float64)
+    return out
 
 
 def joint_sizes(log_reach: torch.Tensor, table: torch.Tensor, plain_s: float, rows: int, max_nodes: int):
@@ -209,13 +214,21 @@ class GatedPolicy(TreePolicy):
         self._max_nodes = int(max_nodes)
         self.gate = DraftGate() if self.use_gate else None
 
-    def _batch_table(self, rows: int) -> torch.Tensor:
-        if rows not in self._tables:
-            self._tables[rows] = batch_table(self._latency, rows, rows * self._max_nodes)
-        return self._tables[rows]
+    def _batch_table(self, rows: int, device=None) -> torch.Tensor:
+        """The ``rows``-row table as a float64 tensor on ``device`` (default CPU), built once per device."""
+        key = (rows, str(torch.device(device)) if device is not None else "cpu")
+        if key not in self._tables:
+            self._tables[key] = torch.tensor(self._host_table(rows), dtype=torch.float64, device=device or "cpu")
+        return self._tables[key]
+
+    def _host_table(self, rows: int) -> list:
+        """The same table as Python floats: host-side arithmetic never reads a tensor."""
+        if (rows, "host") not in self._tables:
+            self._tables[(rows, "host")] = batch_seconds(self._latency, rows, rows * self._max_nodes)
+        return self._tables[(rows, "host")]
 
     def _plain_s(self, rows: int = 1) -> float:
-        return float(self._batch_table(rows)[0]) + float(self._latency.get("t0_parts", {}).get("context", 0.0))
+        return self._host_table(rows)[0] + float(self._latency.get("t0_parts", {}).get("context", 0.0))
 
     def _throughput_build(self, tree: Tree, log_reach: torch.Tensor, depth_cap: Optional[torch.Tensor],
                           levels: int, rows: Optional[int] = None) -> BuiltTree:
@@ -228,7 +241,8 @@ class GatedPolicy(TreePolicy):
         if depth_cap is not None:
             e = e.masked_fill(~depth_mask(tree, depth_cap), float("-inf"))
             e[:, 0] = 0.0
-        sizes, expected, _ = joint_sizes(e, self._batch_table(rows), self._plain_s(rows), rows, self._max_nodes)
+        sizes, expected, _ = joint_sizes(e, self._batch_table(rows, e.device), self._plain_s(rows), rows,
+                                         self._max_nodes)
         sel = taps_kernels.select_subtree(tree, e, self._max_nodes, rule="reach")
         e_sel = e.gather(1, sel.pool_index.clamp(min=0))
         return BuiltTree(keep_top(sel.tree, e_sel, sizes, depth_cap, levels), expected, sizes)
@@ -239,9 +253,9 @@ class GatedPolicy(TreePolicy):
         own = sum(times.get(k, 0.0) for k in ("pool", "scoring", "selection"))
         if self.gate is not None and expected is not None and sizes is not None and expected:
             rows = len(expected)
-            table = self._batch_table(rows)
-            k = min(int(sum(sizes)), table.numel() - 1)
-            rate = sum(expected) / (self._t0 + self.overhead.get() + float(table[k]))
+            table = self._host_table(rows)
+            k = min(int(sum(sizes)), len(table) - 1)
+            rate = sum(expected) / (self._t0 + self.overhead.get() + table[k])
             self.gate.record(rate * self._plain_s(rows) / rows)
         self.overhead.update(own)
 
