@@ -138,12 +138,13 @@ class BatchDecoder:
         profile: synchronise at every stage boundary on a GPU (exact per-stage times, no overlap).
         static_shapes: verify every round at the policy's full tree width (fixed shapes for CUDA graphs)
             instead of the batch's largest real tree; default: False.
+        max_requests: most requests one :meth:`generate_batch` call (or the queue) takes (None: no limit).
     """
 
     def __init__(self, target, policy: TreePolicy, drafter=None, sampling: Optional[SamplingConfig] = None,
                  stop_token_ids: Iterable[int] = (), max_context: Optional[int] = None,
                  max_batch: int = DEFAULT_MAX_BATCH, attention: str = "auto", profile: bool = False,
-                 static_shapes: bool = False):
+                 static_shapes: bool = False, max_requests: Optional[int] = None):
         if policy.uses_drafter and drafter is None:
             raise GenerationError(f"drafter: policy {policy.name!r} needs a drafter, received None")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -155,6 +156,7 @@ class BatchDecoder:
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 1 << 30))
         self.max_batch = max_batch
+        self.max_requests = max_requests
         self.profile = bool(profile)
         self.static_shapes = bool(static_shapes)
         layer_ids = list(self.drafter.config.target_layer_ids) if self.drafter is not None else None
@@ -232,6 +234,8 @@ class BatchDecoder:
         if not isinstance(request, Request):
             request = Request(request, max_new_tokens if max_new_tokens is not None else 64, None, seed)
         rid = self._next_id
+        if self.max_requests is not None and len(self._queue) + len(self.running) >= self.max_requests:
+            raise GenerationError(f"request {rid}: the decoder takes at most {self.max_requests} requests at a time")
         prompt = self._validate(rid, request)
         self._next_id += 1
         self._queue.append((rid, prompt, request))
@@ -483,6 +487,9 @@ class BatchDecoder:
             if not isinstance(r, Request):
                 r = Request(r, max_new_tokens, None, None if seed is None else seed + i)
             reqs.append(r)
+        if self.max_requests is not None and len(reqs) > self.max_requests:
+            raise GenerationError(f"request {self.max_requests}: a batch of {len(reqs)} requests; this decoder takes "
+                                  f"at most {self.max_requests} requests at a time")
         for i, r in enumerate(reqs):  # validate all before running any
             self._validate(i, r)
         self.reset()
