@@ -250,3 +250,91 @@ def test_fast_head_dtype_changes_proposals_not_generated_tokens():
         drafter.head_dtype = dtype
         dec = SpeculativeDecoder(target, make_policy("ddtree:6"), drafter=drafter)
         assert dec.generate(prompt, 20).token_ids == ref, dtype
+
+
+def _drafter_with_context(seed=0):
+    m, emb, head = make(seed)
+    st = m.new_state(1)
+    m.append_context(st, torch.randn(1, 9, m.config.num_context_features))
+    return m, emb, head, st
+
+
+def test_num_positions_projects_only_the_first_positions():
+    m, emb, head, st = _drafter_with_context()
+    D = m.config.block_size - 1
+    full, hid = m.draft(st, torch.tensor([3]), emb, head)
+    for P in (1, 2, D):
+        lo, h = m.draft(st, torch.tensor([3]), emb, head, num_positions=P)
+        assert lo.shape == (1, P, m.config.vocab_size) and h.shape == (1, P, m.config.hidden_size)
+        torch.testing.assert_close(lo, full[:, :P], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(h, hid[:, :P], atol=1e-6, rtol=1e-6)
+    for bad in (0, D + 1):
+        with pytest.raises(ValueError, match="num_positions"):
+            m.draft(st, torch.tensor([3]), emb, head, num_positions=bad)
+
+
+@pytest.mark.parametrize("head_dtype,tol", [(None, 1e-6), (torch.bfloat16, 1e-2)])
+def test_draft_vocab_logits_are_the_full_logits_restricted(head_dtype, tol):
+    """Full-size layout: the draft-vocabulary columns equal the full projection (same dtype, up to the
+    rounding of a GEMM of another shape: tolerance relative to the largest logit), every other
+    column is -inf; sub layout: the same numbers, column j = token ids[j]; top-k through the id map is the
+    full-size top-k exactly."""
+    m, emb, head, st = _drafter_with_context(1)
+    m.head_dtype = head_dtype
+    V = m.config.vocab_size
+    ref = m.draft(st, torch.tensor([3]), emb, head)[0]
+    ids = torch.tensor([90, 2, 7, 40, 11, 63, 5, 33, 71, 18, 26], dtype=torch.int64)
+    m.set_draft_vocab(ids)
+    sids = ids.sort().values
+    assert torch.equal(m.draft_vocab, sids) and m.config.draft_vocab_size == len(ids)
+    full = m.draft(st, torch.tensor([3]), emb, head, num_positions=3)[0]
+    assert full.shape == (1, 3, V)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[sids] = False
+    assert torch.isneginf(full[..., outside]).all()
+    torch.testing.assert_close(full[..., sids], ref[:, :3, sids], atol=tol * ref.abs().max().item(), rtol=0)
+    m.full_vocab_logits = False
+    sub = m.draft(st, torch.tensor([3]), emb, head, num_positions=3)[0]
+    assert sub.shape == (1, 3, len(ids))
+    torch.testing.assert_close(sub, full[..., sids], atol=0, rtol=0)
+    k = 4
+    assert torch.equal(sids[sub.topk(k, -1).indices], full.topk(k, -1).indices)
+    m.set_draft_vocab(None)
+    m.full_vocab_logits = True
+    torch.testing.assert_close(m.draft(st, torch.tensor([3]), emb, head)[0], ref, atol=0, rtol=0)
+
+
+def test_draft_vocab_saved_beside_the_weights(tmp_path):
+    from taps.models.drafter import DRAFT_VOCAB_FILE
+
+    m, emb, head, st = _drafter_with_context(2)
+    ids = torch.tensor([1, 4, 9, 16, 25, 36, 49, 64, 81], dtype=torch.int64)
+    m.set_draft_vocab(ids)
+    m.save_pretrained(tmp_path, dtype=None)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 9 and cfg["draft_vocab_file"] == DRAFT_VOCAB_FILE
+    m2 = load_drafter(tmp_path)
+    assert torch.equal(m2.draft_vocab, ids) and m2.config.draft_vocab_size == 9
+    st2 = m2.new_state(1)
+    feats = torch.randn(1, 6, m.config.num_context_features)
+    st = m.new_state(1)
+    m.append_context(st, feats)
+    m2.append_context(st2, feats)
+    torch.testing.assert_close(m2.draft(st2, torch.tensor([3]), emb, head)[0],
+                               m.draft(st, torch.tensor([3]), emb, head)[0], atol=1e-5, rtol=1e-5)
+    (tmp_path / DRAFT_VOCAB_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="draft_vocab_size 9"):
+        load_drafter(tmp_path)
+    m.set_draft_vocab(None)  # saving without a vocabulary drops the declaration
+    m.save_pretrained(tmp_path, dtype=None)
+    assert "draft_vocab_size" not in json.loads((tmp_path / "config.json").read_text())
+    assert load_drafter(tmp_path).draft_vocab is None
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1, 1, 2]), torch.tensor([-1, 3]), torch.tensor([5, 97]),
+                                 torch.tensor([1.0, 2.0]), torch.zeros(0, dtype=torch.int64)])
+def test_draft_vocab_rejects_bad_ids(bad):
+    m, _, _ = make()
+    with pytest.raises(ValueError, match="draft vocab"):
+        m.set_draft_vocab(bad)
+    assert m.draft_vocab is None and m.config.draft_vocab_size is None
