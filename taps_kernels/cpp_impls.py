@@ -20,6 +20,7 @@ except Exception as exc:  # ImportError, or an ABI mismatch surfacing as OSError
     raise ImportError(f"taps_kernels._C is not available ({type(exc).__name__}: {exc})") from exc
 
 from ._registry import register
+from .reference.select import default_utility_options_only
 
 
 @register("topk_stats", "cpp")
@@ -41,7 +42,7 @@ def propagate_reach_cpp(parents: torch.Tensor, edge_logq: torch.Tensor) -> torch
     return _C.propagate_reach(parents, edge_logq)
 
 
-@register("select_subtree", "cpp")
+@register("select_subtree", "cpp", supports=default_utility_options_only)
 def select_subtree_cpp(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor, log_reach: torch.Tensor,
                        max_nodes: int, latency: Optional[torch.Tensor] = None, t0: float = 0.0, rule: str = "reach",
                        lambda_node: float = 1.0, lambda_depth: float = 0.002, min_utility: float = 0.0):

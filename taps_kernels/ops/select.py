@@ -9,15 +9,60 @@ from .._checks import (FLOAT_DTYPES, check_data_device, check_float, check_int, 
                        check_output_size, check_tensor, first_index, values_checked)
 from ..backend import has_impl, resolve
 from ..layout import Selection, Tree, validate_tree
+from ..reference.select import UTILITY_OPTION_DEFAULTS
 
 RULES = ("reach", "utility")
+
+UTILITY_PRESETS = {
+    # The TAPS authors' prefix-closed selector (docs/DESIGN.md, "Upstream parity"): at most 64 endpoints
+    # (max_verify_sequences), the threshold dropped when no node passes it, the first 16 children of a parent
+    # as candidates (per_parent_child_cap), at least 4 nodes (min_verify_nodes of the published runs).
+    "paper": dict(max_leaves=64, fill_below_threshold=True, max_children=16, min_nodes=4),
+}
+"""Named sets of the utility rule's options for ``select_subtree(..., preset=name)``."""
+
+
+class _Unset:
+    """An option left out of the call: a preset may fill it; an explicit value, even the default, wins."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_UNSET = _Unset()
+
+
+def _utility_options(rule: str, preset: Optional[str], given: dict) -> dict:
+    """The utility options after the preset (explicit values win), validated; returns only those off their default."""
+    if preset is not None:
+        if not isinstance(preset, str) or preset not in UTILITY_PRESETS:
+            raise ValueError(f"preset: expected None or one of {sorted(UTILITY_PRESETS)}, received {preset!r}")
+        if rule != "utility":
+            raise ValueError(f"preset: {preset!r} sets options of rule='utility', received rule={rule!r}")
+    values = dict(UTILITY_OPTION_DEFAULTS, **(UTILITY_PRESETS[preset] if preset is not None else {}))
+    values.update({k: v for k, v in given.items() if v is not _UNSET})
+    for name in ("max_leaves", "max_children"):
+        if values[name] is not None:
+            values[name] = check_int(name, values[name], minimum=1)
+    fill = values["fill_below_threshold"]
+    if not (isinstance(fill, bool) or type(fill).__name__ == "bool_"):
+        raise TypeError(f"fill_below_threshold: expected a bool, received {type(fill).__name__} {fill!r}")
+    values["fill_below_threshold"] = bool(fill)
+    values["min_nodes"] = check_int("min_nodes", values["min_nodes"], minimum=0)
+    changed = {k: v for k, v in values.items() if v != UTILITY_OPTION_DEFAULTS[k]}
+    if changed and rule != "utility":
+        name, value = next(iter(changed.items()))
+        raise ValueError(f"{name}: an option of rule='utility' only, received {name}={value!r} with rule={rule!r}")
+    return changed
 
 
 def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
                    latency: Optional[Union[torch.Tensor, Sequence[float]]] = None, t0: float = 0.0,
                    rule: str = "reach", lambda_node: float = 1.0, lambda_depth: float = 0.002,
                    min_utility: float = 0.0, backend: Optional[str] = None,
-                   validate: Optional[str] = None) -> Selection:
+                   validate: Optional[str] = None, max_leaves: Optional[int] = _UNSET,
+                   fill_below_threshold: bool = _UNSET, max_children: Optional[int] = _UNSET,
+                   min_nodes: int = _UNSET, preset: Optional[str] = None) -> Selection:
     """Choose the subtree to verify.
 
     Args:
@@ -32,6 +77,22 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
             stopping below ``min_utility``).
         lambda_node, lambda_depth: finite, ``lambda_node > 0`` and ``lambda_depth >= 0`` (checked for either rule).
         min_utility: a float, not NaN (``-inf`` keeps going to ``max_nodes``).
+        max_leaves, fill_below_threshold, max_children, min_nodes: rule ``"utility"`` only; the TAPS authors'
+            additions to the rule (docs/DESIGN.md, "Upstream parity"). Defaults ``None``, ``False``, ``None``, ``0``
+            give the rule as described, bit for bit. Nodes are visited by ``(-u, index)`` in every pass.
+            ``max_children`` (int >= 1): only the first ``max_children`` children of a parent, in pool order
+            (draft rank order in a best-first pool), are candidates; a later child can still enter as the
+            missing ancestor of a candidate, as in the authors' code. ``fill_below_threshold``: when no candidate
+            reaches ``min_utility``, take candidates anyway (instead of a root-only tree). ``max_leaves``
+            (int >= 1): the main pass ends after that many candidates added nodes (each is a leaf when taken, so
+            that pass leaves at most ``max_leaves`` leaves; when utility falls along paths each adds one node, so
+            the tree holds about ``max_leaves`` nodes). ``min_nodes`` (int >= 0): while fewer than
+            ``min(min_nodes, max_nodes)`` nodes are kept, a second pass over all candidates, threshold and
+            ``max_leaves`` ignored, adds more. The C++ and Triton backends implement the defaults only: other
+            values run the reference (a host loop; CUDA tensors are copied to the host), and
+            ``backend="cpp"``/``"triton"`` raises :class:`BackendUnavailable` naming the option.
+        preset: ``None`` or a key of :data:`UTILITY_PRESETS` (``"paper"``: ``max_leaves=64``,
+            ``fill_below_threshold=True``, ``max_children=16``, ``min_nodes=4``); explicit options override it.
         validate: value checks (tree structure, non-finite reach, latency table): ``"auto"`` (default, or
             ``TAPS_VALIDATE``) on CPU tensors only, ``"full"`` on any device, ``"none"`` never
             (:mod:`taps_kernels._checks`).
@@ -55,6 +116,8 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
     lambda_node = check_float("lambda_node", lambda_node, above=0.0)
     lambda_depth = check_float("lambda_depth", lambda_depth, at_least=0.0)
     min_utility = check_float("min_utility", min_utility, finite=False)
+    options = _utility_options(rule, preset, dict(max_leaves=max_leaves, fill_below_threshold=fill_below_threshold,
+                                                  max_children=max_children, min_nodes=min_nodes))
     check = values_checked(validate, dev)
     if check:
         check_log_values("log_reach", torch.where(tree.parents >= 0, log_reach, torch.zeros_like(log_reach)),
@@ -78,10 +141,11 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
                 (n,) = first_index(bad)
                 raise ValueError(f"latency[{n}]: expected finite seconds with t0 + latency[n] > 0, received "
                                  f"{float(latency[n])} (t0={t0})")
-    name, fn = resolve("select_subtree", backend, tree.device)
+    # Options off their default travel as the call context (backends that lack them decline it) and as kwargs.
+    name, fn = resolve("select_subtree", backend, tree.device, **options)
     pool_index, num_selected = fn(tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous(),
                                   log_reach.float().contiguous(), max_nodes, latency, float(t0), rule,
-                                  float(lambda_node), float(lambda_depth), float(min_utility))
+                                  float(lambda_node), float(lambda_depth), float(min_utility), **options)
     # Re-index with the same backend when it has a re-indexer (cpp, triton); else the torch version (any device).
     _, reindex = resolve("reindex_subtree", name if has_impl("reindex_subtree", name) else "reference", tree.device)
     tokens, parents, depth, num_nodes = reindex(tree.tokens.contiguous(), tree.parents.contiguous(),

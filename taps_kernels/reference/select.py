@@ -1,6 +1,7 @@
 """Reference subtree selection: top nodes by (prefix-closed) reach, the throughput rule, and the published utility rule."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -32,11 +33,86 @@ def _throughput_size(sorted_e, n_max: int, latency: torch.Tensor, t0: float) -> 
     return best_n
 
 
+UTILITY_OPTION_DEFAULTS = {"max_leaves": None, "fill_below_threshold": False, "max_children": None, "min_nodes": 0}
+"""The utility rule's options at the values that give the rule as described (METHOD.md section 4)."""
+
+
+def default_utility_options_only(**call) -> str:
+    """``supports`` of a ``select_subtree`` backend that implements the utility rule's default options only:
+    empty when every option in ``call`` is at its default, else which are not (read by the backend table)."""
+    changed = [f"{k}={call[k]!r}" for k, v in UTILITY_OPTION_DEFAULTS.items() if k in call and call[k] != v]
+    if not changed:
+        return ""
+    return ("this backend implements the utility rule's default options only (max_leaves=None, "
+            "fill_below_threshold=False, max_children=None, min_nodes=0), received " + ", ".join(changed)
+            + "; the reference implements them")
+
+
+def utility_greedy(util, parents, max_nodes: int, min_utility: float, max_leaves: Optional[int] = None,
+                   fill_below_threshold: bool = False, max_children: Optional[int] = None, min_nodes: int = 0):
+    """The utility rule's greedy choice for one tree; returns the kept non-root nodes ascending.
+
+    ``util``: ``{node: utility}`` of the real non-root nodes; ``parents``: parent of every real node (root -1).
+    Candidates are visited by ``(-u, index)``; taking one adds it with its not-yet-kept ancestors when they fit
+    in ``max_nodes``, else it is skipped.
+
+    * ``max_children``: a node is a candidate only if it is among the first ``max_children`` children of its
+      parent in pool order (in a best-first pool: draft rank ``< max_children``). It filters candidates in
+      every pass; a node past the cap still enters as the missing ancestor of a candidate.
+    * main pass: candidates up to the first with ``u < min_utility``; with ``fill_below_threshold``, when no
+      candidate reaches ``min_utility`` the pass takes all of them. It ends once ``max_nodes`` nodes are kept
+      or ``max_leaves`` candidates were taken (a taken candidate is one that added at least one node; it is a
+      leaf when taken, an ancestor of a later one stays counted).
+    * ``min_nodes``: while fewer than ``min(min_nodes, max_nodes)`` nodes are kept, a second pass visits every
+      candidate again from the top, threshold and ``max_leaves`` ignored, with the same fit rule.
+    """
+    order = sorted(util, key=lambda i: (-util[i], i))
+    if max_children is not None:
+        rank, seen = {}, {}
+        for i in sorted(util):
+            rank[i] = seen.get(parents[i], 0)
+            seen[parents[i]] = rank[i] + 1
+        order = [i for i in order if rank[i] < max_children]
+    main = list(itertools.takewhile(lambda i: not util[i] < min_utility, order))
+    if fill_below_threshold and not main:
+        main = order
+    chosen = set()
+
+    def take(i) -> int:
+        missing = []
+        j = i
+        while j > 0 and j not in chosen:
+            missing.append(j)
+            j = parents[j]
+        if len(chosen) + len(missing) > max_nodes:
+            return 0
+        chosen.update(missing)
+        return len(missing)
+
+    taken = 0
+    for i in main:
+        taken += take(i) > 0
+        if len(chosen) == max_nodes or (max_leaves is not None and taken >= max_leaves):
+            break
+    floor = min(min_nodes, max_nodes)
+    if len(chosen) < floor:
+        for i in order:
+            take(i)
+            if len(chosen) >= floor:
+                break
+    return sorted(chosen)
+
+
 def select_subtree_reference(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
                              log_reach: torch.Tensor, max_nodes: int, latency: Optional[torch.Tensor] = None,
                              t0: float = 0.0, rule: str = "reach", lambda_node: float = 1.0,
-                             lambda_depth: float = 0.002, min_utility: float = 0.0):
-    """Return ``(pool_index [B, max_nodes+1] int64, num_selected [B] int32)``: kept pool nodes ascending, -1 padded."""
+                             lambda_depth: float = 0.002, min_utility: float = 0.0, max_leaves: Optional[int] = None,
+                             fill_below_threshold: bool = False, max_children: Optional[int] = None,
+                             min_nodes: int = 0):
+    """Return ``(pool_index [B, max_nodes+1] int64, num_selected [B] int32)``: kept pool nodes ascending, -1 padded.
+
+    ``max_leaves``, ``fill_below_threshold``, ``max_children``, ``min_nodes``: the utility rule's options
+    (:func:`utility_greedy`); their defaults give the rule as described."""
     B, N = parents.shape
     par = parents.detach().cpu().long()
     dep = depth.detach().cpu().long()
@@ -57,20 +133,8 @@ def select_subtree_reference(parents: torch.Tensor, depth: torch.Tensor, num_nod
             kept = sorted(cand[:n])
         elif rule == "utility":
             util = {i: math.exp(float(lr[b, i])) / (lambda_node + lambda_depth * int(dep[b, i])) for i in range(1, real)}
-            chosen = set()
-            for i in sorted(util, key=lambda i: (-util[i], i)):
-                if util[i] < min_utility:
-                    break
-                missing = []
-                j = i
-                while j > 0 and j not in chosen:
-                    missing.append(j)
-                    j = int(par[b, j])
-                if len(chosen) + len(missing) <= max_nodes:
-                    chosen.update(missing)
-                if len(chosen) == max_nodes:
-                    break
-            kept = sorted(chosen)
+            kept = utility_greedy(util, [int(p) for p in par[b, :real]], max_nodes, min_utility, max_leaves,
+                                  fill_below_threshold, max_children, min_nodes)
         else:
             raise ValueError(f"rule: expected 'reach' or 'utility', received {rule!r}")
         pool_index[b, 0] = 0

@@ -13,6 +13,7 @@ except Exception as exc:  # a broken install must disable the backend, not the p
     raise ImportError(f"taps_kernels.triton needs triton: {exc}") from exc
 
 from .._registry import register
+from ..reference.select import default_utility_options_only
 from .best_first_pool import best_first_pool_triton
 from .best_first_pool import supports as _pool_supports
 from .edge_score import score_edges_triton
@@ -24,7 +25,7 @@ from .tree_attention import tree_attention_triton
 register("topk_stats", "triton")(topk_stats_triton)
 register("best_first_pool", "triton", supports=_pool_supports)(best_first_pool_triton)
 register("propagate_reach", "triton")(propagate_reach_triton)
-register("select_subtree", "triton")(select_subtree_triton)
+register("select_subtree", "triton", supports=default_utility_options_only)(select_subtree_triton)
 register("reindex_subtree", "triton")(reindex_subtree_triton)
 register("tree_attention", "triton")(tree_attention_triton)
 register("score_edges", "triton")(score_edges_triton)
