@@ -16,22 +16,53 @@ def _int_list(s):
 
 
 def _cmd_build_data(args):
-    from taps.training.data import build_data, data_summary
+    import shlex
+    import sys
+
+    from taps.training.data import BuildDataConfig, build_data, data_summary
 
     deadline = time.time() + args.max_minutes * 60 if args.max_minutes else None
-    build_data(args.out, target=args.target, num_prompts=args.num_prompts, shard_size=args.shard_size,
-               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-               num_feature_layers=args.num_feature_layers, layer_ids=_int_list(args.layer_ids), seed=args.seed,
-               feat_dtype=args.feat_dtype, threads=args.threads, deadline=deadline,
-               part=args.part, num_parts=args.num_parts)
+    cfg = BuildDataConfig(out=args.out, target=args.target, num_prompts=args.num_prompts, shard_size=args.shard_size,
+                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                          max_prompt_tokens=args.max_prompt_tokens, num_feature_layers=args.num_feature_layers,
+                          layer_ids=_int_list(args.layer_ids), seed=args.seed, feat_dtype=args.feat_dtype,
+                          threads=args.threads, deadline=deadline, part=args.part, num_parts=args.num_parts,
+                          chat_fraction=args.chat_fraction, topk=args.topk,
+                          magpie_temperature=args.magpie_temperature, magpie_max_tokens=args.magpie_max_tokens)
+    build_data(cfg, command="python -m taps.cli.train " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     print(json.dumps(data_summary(args.out), indent=1))
     return 0
 
 
 def _cmd_train(args):
-    from taps.training.train import train_drafter
+    from taps.training.train import TrainConfig, train_drafter
 
-    train_drafter(**{k: v for k, v in vars(args).items() if k not in ("func", "command", "cmd")})
+    train_drafter(TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("func", "command", "cmd")}))
+    return 0
+
+
+def _cmd_draft_vocab(args):
+    from taps.models.drafter import load_drafter
+    from taps.training.draft_vocab import coverage_report, response_token_counts, select_draft_vocab
+
+    holdout = _int_list(args.holdout_shards) or []
+    drafter = load_drafter(args.drafter)
+    V = drafter.config.vocab_size
+    counts = response_token_counts(args.data, V, exclude=holdout)
+    ids = select_draft_vocab(counts, size=args.size, coverage=args.coverage, always=_int_list(args.always) or [])
+    rep = coverage_report(args.data, ids, V, holdout)
+    drafter.set_draft_vocab(ids)
+    from safetensors.torch import save_file
+
+    from taps.models.drafter import DRAFT_VOCAB_FILE
+
+    # only the vocabulary file and the config declaration change; the weights stay as they are
+    save_file({"ids": ids.contiguous()}, str(f"{args.drafter}/{DRAFT_VOCAB_FILE}"))
+    drafter.config.save(args.drafter)
+    print(json.dumps(rep, indent=1))
+    if args.out_json:
+        with open(args.out_json, "w") as f:
+            f.write(json.dumps(rep, indent=1) + "\n")
     return 0
 
 
@@ -40,7 +71,7 @@ def _cmd_eval(args):
 
     res = eval_drafter(args.drafter, args.data, target=args.target, shards=_int_list(args.shards),
                        max_seqs=args.max_seqs, anchors_per_seq=args.anchors_per_seq, seed=args.seed,
-                       out_json=args.out_json, threads=args.threads)
+                       out_json=args.out_json, threads=args.threads, use_draft_vocab=args.draft_vocab)
     print(json.dumps(res, indent=1))
     return 0
 
@@ -50,8 +81,8 @@ def add_subcommands(subparsers):
     p.add_argument("--out", required=True, help="data directory (shards, resumable)")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--num-prompts", type=int, default=4000)
-    p.add_argument("--shard-size", type=int, default=96)
-    p.add_argument("--batch-size", type=int, default=48)
+    p.add_argument("--shard-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--num-feature-layers", type=int, default=5)
@@ -62,6 +93,11 @@ def add_subcommands(subparsers):
     p.add_argument("--max-minutes", type=float, default=None, help="start no new shard after this many minutes")
     p.add_argument("--part", type=int, default=0, help="this process writes shards s with s %% num_parts == part")
     p.add_argument("--num-parts", type=int, default=1)
+    p.add_argument("--chat-fraction", type=float, default=0.5,
+                   help="share of each shard answering Magpie chat prompts written by the target")
+    p.add_argument("--topk", type=int, default=32, help="top-k target log-probabilities kept per response token")
+    p.add_argument("--magpie-temperature", type=float, default=1.0)
+    p.add_argument("--magpie-max-tokens", type=int, default=96)
     p.set_defaults(func=_cmd_build_data)
 
     p = subparsers.add_parser("train-drafter", help="train a DFlash drafter on build-data shards")
@@ -90,10 +126,26 @@ def add_subcommands(subparsers):
                    help="softmax over tokens seen in the data (+ random negatives) or the full vocab")
     p.add_argument("--extra-negatives", type=int, default=4096)
     p.add_argument("--rescan-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--norm-lr-mult", type=float, default=10.0, help="learning-rate multiplier of RMSNorm gains")
     p.add_argument("--no-normalize-features", dest="normalize_features", action="store_false",
                    help="do not rescale context-feature channels by 1/RMS (the scale is folded into fc on save)")
+    p.add_argument("--init-from", default=None, help="drafter dir a new run starts from (weights + architecture)")
+    p.add_argument("--kl-weight", type=float, default=0.0,
+                   help="weight of the distillation term to the target's top-k (data built with --topk)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at this x lr")
     p.set_defaults(func=_cmd_train)
+
+    p = subparsers.add_parser("draft-vocab", help="store a reduced draft vocabulary (most frequent response "
+                                                  "tokens of the data) beside a drafter")
+    p.add_argument("--drafter", required=True, help="drafter dir: draft_vocab.safetensors + config are written there")
+    p.add_argument("--data", required=True)
+    p.add_argument("--size", type=int, default=None, help="number of ids (default: the fewest covering --coverage)")
+    p.add_argument("--coverage", type=float, default=0.99)
+    p.add_argument("--always", default="0,1,2", help="comma list of ids always kept (special tokens)")
+    p.add_argument("--holdout-shards", default="0", help="shards not counted (coverage is reported on them)")
+    p.add_argument("--out-json", default=None)
+    p.set_defaults(func=_cmd_draft_vocab)
 
     p = subparsers.add_parser("eval-drafter", help="per-position agreement and tau on held-out generated text")
     p.add_argument("--drafter", required=True, help="drafter dir (config.json + model.safetensors)")
@@ -105,6 +157,8 @@ def add_subcommands(subparsers):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out-json", default=None)
+    p.add_argument("--draft-vocab", action="store_true",
+                   help="argmax over the drafter's draft vocabulary (as decoding proposes) instead of the full one")
     p.set_defaults(func=_cmd_eval)
     return subparsers
 

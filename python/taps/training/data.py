@@ -1,27 +1,38 @@
-"""``build-data``: the target regenerates responses to local prompts.
+"""``build-data``: the target writes the drafter's training data.
 
-For every prompt (see :mod:`taps.training.prompts`) the target greedily
-continues the chat-templated prompt (batched, left padding). While it
-generates, forward hooks capture the hidden states of the target layers the
-drafter is conditioned on (``hidden_states[id+1]`` = output of decoder layer
-``id``), so no second target pass is needed at training time.
+Two prompt kinds, mixed in every shard: local code prompts
+(:mod:`taps.training.prompts`) and chat prompts the target writes itself
+(Magpie, :mod:`taps.data.magpie`). The target answers each greedily with the
+chat template, batched and left padded, through
+:class:`taps.data.generation.LlamaGenerator` (preallocated cache, finished
+rows leave the batch), which captures the drafter's target features
+(``hidden_states[id+1]``) and the top-k log-probabilities in the same pass.
 
-Shard format (``shard_XXXXX.pt``, written atomically, skipped if present so a
-killed run resumes where it stopped)::
+Shard format 2 (``shard_XXXXX.pt``, written atomically, skipped if present so
+a killed run resumes where it stopped)::
 
-    tokens      int32 [T_total]        prompt+response ids of all sequences, concatenated
-    offsets     int64 [n+1]            sequence i = tokens[offsets[i]:offsets[i+1]]
-    prompt_lens int64 [n]              prompt tokens of each sequence
-    feats       fp16/bf16 [T_total, n_layers*H]  target features of each token
-                                       (the last token of a sequence has zeros: never fed)
-    layer_ids   list[int]
-    prompt_idx  int64 [n]              index into the prompt list
+    format       2
+    tokens       uint16 [T_total]       prompt+response ids of all sequences, concatenated
+    offsets      int64 [n+1]            sequence i = tokens[offsets[i]:offsets[i+1]]
+    prompt_lens  int64 [n]
+    feats        fp16 [T_total, n_layers*H]  target features of each token (last token of a sequence: zeros)
+    topk_ids     uint16 [R_total, k]    top-k next-token ids for each response token
+    topk_logp    fp16 [R_total, k]      their log-probabilities (temperature 1)
+    topk_offsets int64 [n+1]            sequence i's response rows
+    kinds        list[str]              prompt kind per sequence (complete/write/explain/continue/module/chat)
+    prompt_idx   int64 [n]              code prompt i -> i, chat prompt i -> 1_000_000 + i
+    layer_ids    list[int]
+
+Format 1 (int32 tokens, no top-k, no kinds) is still read by ``ShardData``.
+``generate_batch`` / ``_FeatureCapture`` (HF ``generate`` + forward hooks) are
+kept as the reference the tests compare against.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -92,85 +103,192 @@ def generate_batch(model, tok, prompt_ids: List[List[int]], max_new_tokens: int,
     return res
 
 
-def build_data(out_dir: str, target: str = "smollm2", num_prompts: int = 4000, shard_size: int = 96,
-               batch_size: int = 48, max_new_tokens: int = 192, max_prompt_tokens: int = 384,
-               num_feature_layers: int = 5, layer_ids: Optional[List[int]] = None, seed: int = 0,
-               feat_dtype: str = "float16", threads: Optional[int] = None, deadline: Optional[float] = None,
-               part: int = 0, num_parts: int = 1):
-    """Generate shards under ``out_dir`` (resumable). ``deadline``: unix time after
-    which no new shard is started. ``part``/``num_parts``: this process writes the
-    shards ``s`` with ``s % num_parts == part`` (several 1-thread processes share
-    one data dir)."""
-    from tqdm import tqdm
+@dataclass
+class BuildDataConfig:
+    """Options of :func:`build_data` (``build-data`` on the command line).
 
-    if threads:
-        torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    out = Path(out_dir)
+    ``num_prompts`` sequences in all; ``chat_fraction`` of them answer Magpie chat prompts written by the
+    target itself (:mod:`taps.data.magpie`), the rest the local code prompts of
+    :mod:`taps.training.prompts`. Every shard holds both kinds in that ratio, so any held-out shard
+    measures both. ``topk``: top-k target log-probabilities kept per response token (0: none).
+    ``deadline``: unix time after which no new shard is started. ``part``/``num_parts``: this process
+    writes the shards ``s`` with ``s % num_parts == part``.
+    """
+
+    out: str
+    target: str = "smollm2"
+    num_prompts: int = 4000
+    shard_size: int = 64
+    batch_size: int = 32
+    max_new_tokens: int = 192
+    max_prompt_tokens: int = 384
+    num_feature_layers: int = 5
+    layer_ids: Optional[List[int]] = None
+    seed: int = 0
+    feat_dtype: str = "float16"
+    threads: Optional[int] = None
+    deadline: Optional[float] = None
+    part: int = 0
+    num_parts: int = 1
+    chat_fraction: float = 0.5
+    topk: int = 32
+    magpie_temperature: float = 1.0
+    magpie_max_tokens: int = 96
+
+    def __post_init__(self):
+        if self.feat_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"feat_dtype: expected float16, bfloat16 or float32, received {self.feat_dtype!r}")
+        if not 0.0 <= self.chat_fraction <= 1.0:
+            raise ValueError(f"chat_fraction: expected a value in [0, 1], received {self.chat_fraction}")
+        if not 0 <= self.part < self.num_parts:
+            raise ValueError(f"part: expected 0 <= part < num_parts={self.num_parts}, received {self.part}")
+        for name in ("num_prompts", "shard_size", "batch_size", "max_new_tokens", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, received {getattr(self, name)}")
+        if self.topk < 0:
+            raise ValueError(f"topk: expected >= 0, received {self.topk}")
+
+
+def shard_plan(cfg: BuildDataConfig):
+    """(number of shards, code prompts per shard, chat prompts per shard)."""
+    n_chat = int(round(cfg.shard_size * cfg.chat_fraction))
+    return (cfg.num_prompts + cfg.shard_size - 1) // cfg.shard_size, cfg.shard_size - n_chat, n_chat
+
+
+def _pack_shard(results, kinds, prompt_idx, layer_ids, feat_dtype, topk):
+    """Compact shard blob (format 2): uint16 token ids, fp16 features, uint16/fp16 top-k."""
+    toks, offs, plens, feats = [], [0], [], []
+    tk_ids, tk_lp, tk_offs = [], [], [0]
+    for r in results:
+        toks.append(torch.tensor(r.tokens, dtype=torch.int32))
+        offs.append(offs[-1] + len(r.tokens))
+        plens.append(r.prompt_len)
+        feats.append(r.feats.to(feat_dtype))
+        if topk:
+            tk_ids.append(r.topk_ids.to(torch.int32))
+            tk_lp.append(r.topk_logp.to(torch.float16))
+            tk_offs.append(tk_offs[-1] + len(r.topk_ids))
+    blob = {"format": 2, "tokens": torch.cat(toks).to(torch.uint16), "offsets": torch.tensor(offs),
+            "prompt_lens": torch.tensor(plens, dtype=torch.int64), "feats": torch.cat(feats),
+            "layer_ids": list(layer_ids), "prompt_idx": torch.tensor(prompt_idx, dtype=torch.int64),
+            "kinds": list(kinds)}
+    if topk:
+        # row j of sequence i (tk_offsets[i] + j) is the distribution of its response token j
+        blob.update({"topk_ids": torch.cat(tk_ids).to(torch.uint16), "topk_logp": torch.cat(tk_lp),
+                     "topk_offsets": torch.tensor(tk_offs)})
+    return blob
+
+
+def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
+    """Generate shards under ``cfg.out`` (resumable: finished shards and Magpie turns are kept).
+
+    Writes ``manifest.json`` (options, exact command, prompt mix), ``code_prompts.jsonl``,
+    ``magpie.jsonl``, ``prompts.jsonl`` (the prompts of the written shards, indexed by ``prompt_idx``
+    as ``code:<i>`` / ``chat:<i>``), ``shard_XXXXX.pt`` and one ``stats.jsonl`` row per shard.
+    """
+    import sys
+
+    from taps.data.generation import LlamaGenerator
+    from taps.data.magpie import MagpieWriter
+    from taps.training.prompts import EvalFilter
+
+    if not isinstance(cfg, BuildDataConfig):
+        raise TypeError(f"cfg: expected BuildDataConfig, received {type(cfg).__name__}")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tok = load_target(target)
+    model, tok = load_target(cfg.target, linear_kernel="torch")
     nl = model.config.num_hidden_layers
-    layer_ids = list(layer_ids) if layer_ids else default_target_layer_ids(nl, num_feature_layers)
-    meta_p = out / "meta.json"
-    if meta_p.exists():
-        meta = json.loads(meta_p.read_text())
-        if meta["layer_ids"] != layer_ids:
-            raise ValueError(f"{out} holds data for layer ids {meta['layer_ids']}, asked {layer_ids}")
-    prompts = build_prompts(num_prompts, seed=seed)
-    meta = {"target": target, "num_target_layers": nl, "layer_ids": layer_ids, "hidden_size": model.config.hidden_size,
-            "num_prompts": len(prompts), "shard_size": shard_size, "max_new_tokens": max_new_tokens,
-            "prompt_mode": "chat", "seed": seed, "feat_dtype": feat_dtype,
-            "eval_filter_dropped": getattr(build_prompts, "last_dropped", None)}
-    _atomic_write(meta_p, json.dumps(meta, indent=1))
-    _atomic_write(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
-    cap = _FeatureCapture(model, layer_ids)
-    dt = getattr(torch, feat_dtype)
-    nshards = (len(prompts) + shard_size - 1) // shard_size
+    layer_ids = list(cfg.layer_ids) if cfg.layer_ids else default_target_layer_ids(nl, cfg.num_feature_layers)
+    man_p = out / "manifest.json"
+    keep = ("target", "layer_ids", "shard_size", "chat_fraction", "seed", "max_new_tokens", "topk")
+    if man_p.exists():
+        old = json.loads(man_p.read_text())
+        diff = {k: (old["config"].get(k), v) for k, v in ((k, layer_ids if k == "layer_ids" else getattr(cfg, k))
+                                                          for k in keep) if old["config"].get(k) != v}
+        if diff:
+            raise ValueError(f"{out} holds data built with other options (stored, asked): {diff}")
+    nshards, n_code, n_chat = shard_plan(cfg)
+    ef = EvalFilter()
+    code_p = out / "code_prompts.jsonl"
+    if code_p.exists():
+        code = [json.loads(l) for l in code_p.read_text().splitlines()]
+        dropped = json.loads(man_p.read_text()).get("eval_filter_dropped") if man_p.exists() else None
+    else:
+        code = build_prompts(nshards * n_code, seed=cfg.seed, eval_filter=ef)
+        dropped = getattr(build_prompts, "last_dropped", None)
+        _atomic_write(code_p, "".join(json.dumps(p) + "\n" for p in code))
+    gen = LlamaGenerator(model, layer_ids)
+    magpie = MagpieWriter(out, gen, tok, eval_filter=ef, temperature=cfg.magpie_temperature,
+                          max_tokens=cfg.magpie_max_tokens, batch_size=2 * cfg.batch_size, seed=cfg.seed)
+    conf = {k: v for k, v in asdict(cfg).items() if k not in ("deadline",)}
+    conf["layer_ids"] = layer_ids
+    manifest = {"config": conf, "command": command or " ".join(sys.argv), "num_target_layers": nl,
+                "hidden_size": model.config.hidden_size, "layer_ids": layer_ids, "num_shards": nshards,
+                "code_per_shard": n_code, "chat_per_shard": n_chat, "prompt_mode": "chat",
+                "feat_dtype": cfg.feat_dtype, "eval_filter_dropped": dropped, "format": 2}
+    _atomic_write(man_p, json.dumps(manifest, indent=1))
+    # meta.json: what ShardData reads (layer ids of the features)
+    _atomic_write(out / "meta.json", json.dumps({"target": cfg.target, "num_target_layers": nl,
+                                                 "layer_ids": layer_ids, "hidden_size": model.config.hidden_size,
+                                                 "feat_dtype": cfg.feat_dtype, "format": 2}, indent=1))
+    dt = getattr(torch, cfg.feat_dtype)
     stats_p = out / "stats.jsonl"
-    pbar = tqdm(range(nshards), desc="build-data", unit="shard")
-    for s in pbar:
+    for s in range(nshards):
         sp = out / f"shard_{s:05d}.pt"
-        if s % num_parts != part or sp.exists():
+        if s % cfg.num_parts != cfg.part or sp.exists():
             continue
-        if deadline is not None and time.time() > deadline:
+        if cfg.deadline is not None and time.time() > cfg.deadline:
             print("deadline reached, stopping", flush=True)
             break
         t0 = time.time()
-        idx = list(range(s * shard_size, min(len(prompts), (s + 1) * shard_size)))
-        pids = []
-        for i in idx:
-            ids = apply_chat_template(tok, prompts[i]["text"])
-            pids.append(ids[-max_prompt_tokens:] if len(ids) > max_prompt_tokens else ids)
-        order = sorted(range(len(idx)), key=lambda j: len(pids[j]))
-        seqs = {}
-        for k in range(0, len(order), batch_size):
-            chunk = order[k:k + batch_size]
-            res = generate_batch(model, tok, [pids[j] for j in chunk], max_new_tokens, cap)
-            for j, r in zip(chunk, res):
-                seqs[j] = r
-        toks, offs, plens, feats, pidx = [], [0], [], [], []
-        for j in range(len(idx)):
-            seq, pl, f = seqs[j]
-            toks.append(torch.tensor(seq, dtype=torch.int32))
-            offs.append(offs[-1] + len(seq))
-            plens.append(pl)
-            feats.append(f.to(dt))
-            pidx.append(idx[j])
-        blob = {"tokens": torch.cat(toks), "offsets": torch.tensor(offs, dtype=torch.int64),
-                "prompt_lens": torch.tensor(plens, dtype=torch.int64), "feats": torch.cat(feats),
-                "layer_ids": layer_ids, "prompt_idx": torch.tensor(pidx, dtype=torch.int64)}
+        turns = magpie.ensure((s + 1) * n_chat) if n_chat else []
+        t_magpie = time.time() - t0
+        items = [("code", i, code[i]) for i in range(s * n_code, min(len(code), (s + 1) * n_code))]
+        items += [("chat", i, turns[i]) for i in range(s * n_chat, (s + 1) * n_chat)]
+        results = [None] * len(items)
+        for kind in ("code", "chat"):
+            sel = [j for j, it in enumerate(items) if it[0] == kind]
+            pids = {}
+            for j in sel:
+                ids = apply_chat_template(tok, items[j][2]["text"])
+                pids[j] = ids[-cfg.max_prompt_tokens:]
+            sel.sort(key=lambda j: len(pids[j]))
+            for k in range(0, len(sel), cfg.batch_size):
+                chunk = sel[k:k + cfg.batch_size]
+                res = gen.generate([pids[j] for j in chunk], cfg.max_new_tokens, eos_id=tok.eos_token_id,
+                                   topk=cfg.topk)
+                for j, r in zip(chunk, res):
+                    results[j] = r
+        kinds = [it[2]["kind"] for it in items]
+        pidx = [(i if k == "code" else 1_000_000 + i) for k, i, _ in items]
+        blob = _pack_shard(results, kinds, pidx, layer_ids, dt, cfg.topk)
         tmp = sp.with_suffix(".tmp")
         torch.save(blob, tmp)
         os.replace(tmp, sp)
         ntok = int(blob["tokens"].numel())
-        nresp = ntok - int(sum(plens))
+        nresp = ntok - int(blob["prompt_lens"].sum())
         el = time.time() - t0
+        row = {"shard": s, "seqs": len(items), "tokens": ntok, "response_tokens": nresp, "seconds": round(el, 1),
+               "magpie_seconds": round(t_magpie, 1), "tokens_per_s": round(ntok / max(el - t_magpie, 1e-6), 1),
+               "bytes": sp.stat().st_size, "wall": time.strftime("%H:%M:%S")}
         with open(stats_p, "a") as f:
-            f.write(json.dumps({"shard": s, "seqs": len(idx), "tokens": ntok, "response_tokens": nresp,
-                                "seconds": round(el, 1), "feat_absmax": float(blob["feats"].float().abs().max())}) + "\n")
-        pbar.set_postfix(resp_tok=nresp, tok_s=f"{nresp / el:.0f}")
-    cap.remove()
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+        _write_prompt_index(out, code, magpie.turns)
+    _write_prompt_index(out, code, magpie.turns)
+    m = json.loads(man_p.read_text())
+    m["magpie"] = dict(magpie.stats, accepted=len(magpie.turns))
+    _atomic_write(man_p, json.dumps(m, indent=1))
     return out
+
+
+def _write_prompt_index(out: Path, code: List[dict], chat: List[dict]):
+    """``prompts.jsonl``: one line per prompt_idx used in shards (code i -> i, chat i -> 1e6 + i)."""
+    recs = [dict(p, idx=i) for i, p in enumerate(code)] + [dict(p, idx=1_000_000 + i) for i, p in enumerate(chat)]
+    _atomic_write(out / "prompts.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
 
 
 def _atomic_write(path: Path, text: str):

@@ -12,7 +12,11 @@ Metrics:
 * ``tau``: mean acceptance length of the argmax chain, ``1 + `` number of
   consecutive matches from position 1 (the bonus counts, METHOD.md section 1),
   i.e. tokens per round of plain DFlash with greedy verification,
-* the same split by prompt kind (complete / write / explain / continue / module).
+* the same split by prompt kind (complete / write / explain / continue / module / chat), and by the two
+  prompt families: ``code`` (the local code-prompt pipeline, every kind but chat) and ``chat`` (Magpie).
+
+``use_draft_vocab``: the argmax runs over the drafter's draft vocabulary (what decoding proposes when
+one is set); default the full vocabulary.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from taps.training.train import ShardData, make_batch
 @torch.no_grad()
 def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: Optional[List[int]] = None,
                  max_seqs: int = 96, anchors_per_seq: int = 16, seed: int = 1234, batch_size: int = 4,
-                 out_json: Optional[str] = None, threads: Optional[int] = None, drafter=None, tmodel=None):
+                 out_json: Optional[str] = None, threads: Optional[int] = None, drafter=None, tmodel=None,
+                 use_draft_vocab: bool = False):
     from tqdm import tqdm
 
     from taps.models.target import load_target
@@ -67,16 +72,24 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
         feats, blocks, anchors, labels = make_batch(samples, S, anchors_per_seq, drafter.mask_token_id, rng,
                                                     full_blocks_only=True)
         h = drafter.forward_blocks(feats, blocks, anchors, embed)[:, :, 1:]
-        pred = head(h.to(head.weight.dtype)).argmax(-1)  # [B,M,D]
+        if use_draft_vocab:
+            if drafter.draft_vocab is None:
+                raise ValueError("use_draft_vocab: the drafter has no draft vocabulary")
+            ids = drafter.draft_vocab
+            pred = ids[torch.nn.functional.linear(h.to(head.weight.dtype), head.weight[ids]).argmax(-1)]
+        else:
+            pred = head(h.to(head.weight.dtype)).argmax(-1)  # [B,M,D]
         valid = labels >= 0
         hit = (pred == labels) & valid
         hits += hit.float().sum((0, 1))
         cnt += valid.float().sum((0, 1))
         run = torch.cumprod(hit.long(), dim=-1).sum(-1)  # [B,M]
         for b, k in enumerate(ks):
-            s, si = ds.index[k]
-            pidx = int(ds.shards[s]["prompt_idx"][si])
-            kind = prompts[pidx]["kind"] if pidx < len(prompts) else "unknown"
+            kind = ds.kind(k)
+            if kind is None:  # format-1 shards: the kind comes from prompts.jsonl
+                s, si = ds.index[k]
+                pidx = int(ds.shards[s]["prompt_idx"][si])
+                kind = prompts[pidx]["kind"] if pidx < len(prompts) else "unknown"
             for m in range(anchors.shape[1]):
                 if anchors[b, m] >= 0:
                     t = 1.0 + float(run[b, m])
@@ -89,11 +102,15 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
         "pos_acc": [round(a, 4) for a in pos_acc],
         "tau_by_kind": {k: {"tau": round(sum(v) / len(v), 4), "blocks": len(v)} for k, v in sorted(by_kind.items())},
         "code_kinds_tau": None,
+        "family_tau": {},
+        "draft_vocab": bool(use_draft_vocab),
         "seconds": round(time.time() - t0, 1),
     }
     code = [t for k in ("complete", "write", "continue") for t in by_kind.get(k, [])]
     if code:
         res["code_kinds_tau"] = round(sum(code) / len(code), 4)
+    fam = {"code": [t for k, v in by_kind.items() if k != "chat" for t in v], "chat": by_kind.get("chat", [])}
+    res["family_tau"] = {k: {"tau": round(sum(v) / len(v), 4), "blocks": len(v)} for k, v in fam.items() if v}
     if out_json:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(res, indent=1) + "\n")

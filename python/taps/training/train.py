@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from dataclasses import asdict, dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +70,7 @@ class ShardData:
         return len(self.index)
 
     def get(self, k: int, max_len: Optional[int] = None):
+        """(tokens int64 [L], feats [L,F], prompt_len) of sequence ``k`` (cut to ``max_len`` tokens)."""
         s, i = self.index[k]
         b = self.shards[s]
         o0, o1 = int(b["offsets"][i]), int(b["offsets"][i + 1])
@@ -76,6 +79,27 @@ class ShardData:
         toks = b["tokens"][o0:o1].long()
         feats = b["feats"][o0:o1]
         return toks, feats, int(b["prompt_lens"][i])
+
+    def get_topk(self, k: int, length: int):
+        """(ids int64 [R,k], logp float32 [R,k]) for the response tokens of sequence ``k`` among its first
+        ``length`` tokens (row j = response token j), or None when the shard has no top-k."""
+        s, i = self.index[k]
+        b = self.shards[s]
+        if "topk_ids" not in b:
+            return None
+        r0, r1 = int(b["topk_offsets"][i]), int(b["topk_offsets"][i + 1])
+        r1 = min(r1, r0 + max(0, length - int(b["prompt_lens"][i])))
+        return b["topk_ids"][r0:r1].long(), b["topk_logp"][r0:r1].float()
+
+    def kind(self, k: int) -> Optional[str]:
+        """Prompt kind of sequence ``k`` when the shard records it (format 2)."""
+        s, i = self.index[k]
+        kinds = self.shards[s].get("kinds")
+        return kinds[i] if kinds is not None else None
+
+    @property
+    def has_topk(self) -> bool:
+        return bool(self.shards) and all("topk_ids" in b for b in self.shards.values())
 
     def response_vocab(self, vocab_size: int) -> torch.Tensor:
         """Bool [V]: tokens that occur in any response (or prompt) of the loaded shards."""
@@ -93,10 +117,14 @@ class ShardData:
 
 
 def make_batch(samples, block_size: int, anchors_per_seq: int, mask_token_id: int, rng: random.Random,
-               full_blocks_only: bool = False):
+               full_blocks_only: bool = False, topk=None):
     """samples: list of (tokens [L], feats [L,F], prompt_len).
     Returns feats [B,T,F] float32, block_ids [B,M,S], anchors [B,M] (-1 pad),
-    labels [B,M,S-1] (-100 where beyond the sequence)."""
+    labels [B,M,S-1] (-100 where beyond the sequence).
+
+    ``topk``: per sample (ids [R,k], logp [R,k]) of its response tokens (row j = token prompt_len + j), or
+    None; then two more tensors are returned: soft_ids [B,M,S-1,k] int64 (-1 where no label) and
+    soft_logp [B,M,S-1,k] float32, the target's top-k at each label position."""
     S = block_size
     B = len(samples)
     T = max(len(t) for t, _, _ in samples)
@@ -106,6 +134,10 @@ def make_batch(samples, block_size: int, anchors_per_seq: int, mask_token_id: in
     block_ids = torch.full((B, M, S), mask_token_id, dtype=torch.long)
     anchors = torch.full((B, M), -1, dtype=torch.long)
     labels = torch.full((B, M, S - 1), -100, dtype=torch.long)
+    if topk is not None:
+        kk = topk[0][0].shape[1]
+        soft_ids = torch.full((B, M, S - 1, kk), -1, dtype=torch.long)
+        soft_lp = torch.zeros((B, M, S - 1, kk), dtype=torch.float32)
     for b, (toks, f, pl) in enumerate(samples):
         L = len(toks)
         feats[b, :L] = f.float()
@@ -120,6 +152,14 @@ def make_batch(samples, block_size: int, anchors_per_seq: int, mask_token_id: in
             block_ids[b, m, 0] = toks[a]
             lab = toks[a + 1: a + S]
             labels[b, m, : len(lab)] = lab
+            if topk is not None:
+                ti, tl = topk[b]
+                j0 = a + 1 - pl  # response row of label a+1 (a >= pl, so j0 >= 1)
+                n = max(0, min(len(lab), ti.shape[0] - j0))
+                soft_ids[b, m, :n] = ti[j0:j0 + n]
+                soft_lp[b, m, :n] = tl[j0:j0 + n]
+    if topk is not None:
+        return feats, block_ids, anchors, labels, soft_ids, soft_lp
     return feats, block_ids, anchors, labels
 
 
@@ -129,12 +169,16 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def block_loss(drafter, lm_head, embed_tokens, feats, block_ids, anchors, labels, weights, autocast: bool,
-               vocab_subset: Optional[torch.Tensor] = None):
-    """Position-decayed CE over valid label rows. Returns (loss, stats dict).
+               vocab_subset: Optional[torch.Tensor] = None, soft_ids: Optional[torch.Tensor] = None,
+               soft_logp: Optional[torch.Tensor] = None, kl_weight: float = 0.0):
+    """Position-decayed CE over valid label rows (+ ``kl_weight`` x distillation). Returns (loss, stats).
 
-    ``vocab_subset`` (sorted int64 token ids, must contain every label): the
+    ``vocab_subset`` (sorted int64 token ids, must contain every label and every top-k id): the
     softmax runs over these rows of the frozen LM head only (a sampled-softmax
-    speed-up for CPU training; evaluation always uses the full vocabulary)."""
+    speed-up for CPU training; evaluation always uses the full vocabulary).
+    ``soft_ids``/``soft_logp`` ``[B,M,S-1,k]``: the target's top-k log-probabilities at each label; the
+    distillation term is the cross-entropy of the drafter to the target's top-k distribution renormalised
+    over its k ids (= KL to it up to a constant), position-weighted like the CE."""
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
         h = drafter.forward_blocks(feats, block_ids, anchors, embed_tokens)  # [B,M,S,H]
@@ -153,6 +197,21 @@ def block_loss(drafter, lm_head, embed_tokens, feats, block_ids, anchors, labels
     w = weights.to(logits.device)[None, None, :].expand_as(labels)[valid]
     ce = F.cross_entropy(logits, y, reduction="none")
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    kl_val = None
+    if kl_weight > 0 and soft_ids is not None:
+        sid, slp = soft_ids[valid], soft_logp[valid]  # [N,k]
+        has = sid[:, 0] >= 0
+        if vocab_subset is not None:
+            cols = torch.searchsorted(vocab_subset, sid.clamp(min=0))
+        else:
+            cols = sid.clamp(min=0)
+        ls = torch.log_softmax(logits, -1).gather(1, cols)  # student log-probs of the target's top-k
+        q = torch.softmax(slp, -1)
+        kl_rows = (q * (torch.log(q.clamp(min=1e-12)) - ls)).sum(-1)  # KL(q || student) on the top-k ids
+        wk = w * has.float()
+        kl = (kl_rows * wk).sum() / wk.sum().clamp(min=1e-6)
+        loss = loss + kl_weight * kl
+        kl_val = float(kl.detach())
     with torch.no_grad():
         pred = logits.argmax(-1)
         hit = torch.zeros_like(labels, dtype=torch.bool)
@@ -162,7 +221,8 @@ def block_loss(drafter, lm_head, embed_tokens, feats, block_ids, anchors, labels
         run = torch.cumprod(hit.long(), dim=-1).sum(-1)
         has = anchors >= 0
         tau = float((1 + run[has].float()).mean()) if has.any() else 0.0
-    return loss, {"ce": float(ce.detach().mean()), "pos_acc": pos_acc, "tau": tau, "rows": int(valid.sum())}
+    return loss, {"ce": float(ce.detach().mean()), "kl": kl_val, "pos_acc": pos_acc, "tau": tau,
+                  "rows": int(valid.sum())}
 
 
 def feature_scale_from_data(ds: "ShardData", max_tokens: int = 200_000) -> torch.Tensor:
@@ -211,14 +271,73 @@ def _save(out: Path, drafter, opt, step, rng, extra):
     drafter.save_pretrained(out / "drafter", dtype=torch.bfloat16)
 
 
-def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int = 3, intermediate_size: int = 1536,
-                  block_size: int = 16, gamma: float = 7.0, anchors_per_seq: int = 8, batch_size: int = 8,
-                  max_seq_len: int = 640, steps: int = 4000, lr: float = 1e-3, warmup: int = 100,
-                  weight_decay: float = 0.01, save_every: int = 200, holdout_shards: str = "0", bf16: bool = False,
-                  seed: int = 0, threads: Optional[int] = None, max_minutes: Optional[float] = None,
-                  mask_token_id: Optional[int] = None, rescan_every: int = 100, log_every: int = 10,
-                  train_vocab: str = "seen", extra_negatives: int = 4096, normalize_features: bool = True,
-                  norm_lr_mult: float = 10.0, **_):
+@dataclass
+class TrainConfig:
+    """Options of :func:`train_drafter` (``train-drafter`` on the command line).
+
+    ``init_from``: a drafter directory whose weights (and architecture) a NEW run starts from (a run that
+    finds ``<out>/ckpt.pt`` resumes from it instead). ``kl_weight`` > 0 adds the distillation term to the
+    target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
+    """
+
+    data: str
+    out: str
+    target: str = "smollm2"
+    num_layers: int = 3
+    intermediate_size: int = 1536
+    block_size: int = 16
+    gamma: float = 7.0
+    anchors_per_seq: int = 16
+    batch_size: int = 8
+    max_seq_len: int = 640
+    steps: int = 4000
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    save_every: int = 200
+    holdout_shards: str = "0"
+    bf16: bool = False
+    seed: int = 0
+    threads: Optional[int] = None
+    max_minutes: Optional[float] = None
+    mask_token_id: Optional[int] = None
+    rescan_every: int = 100
+    log_every: int = 10
+    train_vocab: str = "seen"
+    extra_negatives: int = 4096
+    normalize_features: bool = True
+    norm_lr_mult: float = 10.0
+    init_from: Optional[str] = None
+    kl_weight: float = 0.0
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self):
+        if self.train_vocab not in ("seen", "full"):
+            raise ValueError(f"train_vocab: expected 'seen' or 'full', received {self.train_vocab!r}")
+        for name in ("num_layers", "intermediate_size", "anchors_per_seq", "batch_size", "max_seq_len", "steps",
+                     "save_every", "rescan_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, received {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size: expected >= 2, received {self.block_size}")
+        if self.kl_weight < 0:
+            raise ValueError(f"kl_weight: expected >= 0, received {self.kl_weight}")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            raise ValueError(f"init_from: expected a drafter directory with config.json, received {self.init_from!r}")
+
+
+def train_drafter(cfg: TrainConfig):
+    """Train (or resume) a drafter as configured; returns the drafter. See the module docstring."""
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"cfg: expected TrainConfig, received {type(cfg).__name__}")
+    data, out, target = cfg.data, cfg.out, cfg.target
+    num_layers, intermediate_size, block_size, gamma = cfg.num_layers, cfg.intermediate_size, cfg.block_size, cfg.gamma
+    anchors_per_seq, batch_size, max_seq_len, steps = cfg.anchors_per_seq, cfg.batch_size, cfg.max_seq_len, cfg.steps
+    lr, warmup, weight_decay, save_every = cfg.lr, cfg.warmup, cfg.weight_decay, cfg.save_every
+    holdout_shards, bf16, seed, threads, max_minutes = cfg.holdout_shards, cfg.bf16, cfg.seed, cfg.threads, cfg.max_minutes
+    mask_token_id, rescan_every, log_every = cfg.mask_token_id, cfg.rescan_every, cfg.log_every
+    train_vocab, extra_negatives = cfg.train_vocab, cfg.extra_negatives
+    normalize_features, norm_lr_mult = cfg.normalize_features, cfg.norm_lr_mult
     from tqdm import tqdm
 
     from taps.models.target import load_target
@@ -238,6 +357,7 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
     for p in tmodel.parameters():
         p.requires_grad_(False)
     mask_id = DEFAULT_MASK_TOKEN_ID if mask_token_id is None else mask_token_id
+    tcfg = cfg
     cfg = DFlashConfig(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
                        num_key_value_heads=tc.num_key_value_heads,
                        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
@@ -249,12 +369,27 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
                        max_position_embeddings=tc.max_position_embeddings)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    drafter = DFlashDrafter(cfg)
-    _init_weights(drafter)
-    tnorm = getattr(getattr(tmodel, "model", None), "norm", None)
-    if tnorm is not None and tnorm.weight.shape == drafter.norm.weight.shape:
-        with torch.no_grad():  # start the output norm where the target's final norm is (same LM head)
-            drafter.norm.weight.copy_(tnorm.weight.float())
+    if tcfg.init_from is not None:
+        from taps.models.drafter import load_drafter
+
+        init = load_drafter(tcfg.init_from, target_config=tc)
+        if list(init.config.target_layer_ids) != list(meta["layer_ids"]):
+            raise ValueError(f"init_from: drafter reads target layers {init.config.target_layer_ids}, the data "
+                             f"holds {meta['layer_ids']}")
+        cfg = DFlashConfig.from_dict(init.config.to_dict())
+        cfg.draft_vocab_size = None
+        cfg.extra.pop("draft_vocab_file", None)
+        mask_id = cfg.mask_token_id
+        drafter = DFlashDrafter(cfg)
+        drafter.load_state_dict(init.state_dict())
+        print(f"initialised from {tcfg.init_from} ({cfg.num_hidden_layers} layers)", flush=True)
+    else:
+        drafter = DFlashDrafter(cfg)
+        _init_weights(drafter)
+        tnorm = getattr(getattr(tmodel, "model", None), "norm", None)
+        if tnorm is not None and tnorm.weight.shape == drafter.norm.weight.shape:
+            with torch.no_grad():  # start the output norm where the target's final norm is (same LM head)
+                drafter.norm.weight.copy_(tnorm.weight.float())
     drafter.train()
     # RMSNorm gains get a larger learning rate: q_norm/k_norm gains set the attention
     # temperature (q and k are unit-RMS), and at lr ~1e-3 they take ~1000 steps to
@@ -281,12 +416,8 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
         print(f"resumed from {ck} at step {step}", flush=True)
     weights = position_weights(block_size, gamma)
     nparams = sum(p.numel() for p in drafter.parameters())
-    (outp / "train_config.json").write_text(json.dumps({
-        "data": data, "target": target, "num_layers": num_layers, "intermediate_size": intermediate_size,
-        "block_size": block_size, "gamma": gamma, "anchors_per_seq": anchors_per_seq, "batch_size": batch_size,
-        "max_seq_len": max_seq_len, "steps": steps, "lr": lr, "warmup": warmup, "weight_decay": weight_decay,
-        "bf16": bf16, "seed": seed, "train_vocab": train_vocab, "norm_lr_mult": norm_lr_mult, "normalize_features": normalize_features, "extra_negatives": extra_negatives, "holdout_shards": holdout, "mask_token_id": mask_id, "params": nparams,
-        "drafter_config": cfg.to_dict()}, indent=1))
+    (outp / "train_config.json").write_text(json.dumps(dict(asdict(tcfg), holdout_shards=holdout, mask_token_id=mask_id,
+                                                            params=nparams, drafter_config=cfg.to_dict()), indent=1))
     log = open(outp / "train_log.jsonl", "a")
     print(f"drafter params {nparams/1e6:.2f}M, train seqs {len(ds)}, tokens {ds.token_counts()}", flush=True)
     pbar = tqdm(total=steps, initial=step, desc="train-drafter", unit="step")
@@ -307,25 +438,36 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
         if len(ds) == 0:
             time.sleep(10)
             continue
-        if normalize_features and drafter.feature_scale is None:
+        if normalize_features and drafter.feature_scale is None and tcfg.init_from is None:
             drafter.set_feature_scale(feature_scale_from_data(ds))
             print("feature scale set from data (folded into fc.weight on save)", flush=True)
         tf = 0.0
         if max_minutes:
             tf = (extra["train_seconds"] + time.time() - seg_t) / (max_minutes * 60)
-        cur_lr = _lr_at(step, steps, warmup, lr, time_frac=tf)
+        cur_lr = _lr_at(step, steps, warmup, lr, min_ratio=tcfg.min_lr_ratio, time_frac=tf)
         for g in opt.param_groups:
             g["lr"] = cur_lr * g.get("lr_mult", 1.0)
-        samples = [ds.get(rng.randrange(len(ds)), max_seq_len) for _ in range(batch_size)]
-        batch = make_batch(samples, block_size, anchors_per_seq, mask_id, rng)
+        keys = [rng.randrange(len(ds)) for _ in range(batch_size)]
+        samples = [ds.get(k, max_seq_len) for k in keys]
+        topk = None
+        if tcfg.kl_weight > 0:
+            topk = [ds.get_topk(k, len(sm[0])) for k, sm in zip(keys, samples)]
+            if any(t is None for t in topk):
+                raise ValueError("kl_weight > 0 needs data with top-k log-probabilities (build-data --topk)")
+        batch = make_batch(samples, block_size, anchors_per_seq, mask_id, rng, topk=topk)
+        soft = batch[4:] if topk is not None else (None, None)
+        batch = batch[:4]
         subset = None
         if seen_vocab is not None:
             sel = seen_vocab.clone()
             if extra_negatives:
                 sel[torch.randint(0, cfg.vocab_size, (extra_negatives,))] = True
             sel[batch[3][batch[3] >= 0]] = True
+            if soft[0] is not None:
+                sel[soft[0][soft[0] >= 0]] = True
             subset = sel.nonzero().squeeze(1)
-        loss, stats = block_loss(drafter, head, embed, *batch, weights, bf16, vocab_subset=subset)
+        loss, stats = block_loss(drafter, head, embed, *batch, weights, bf16, vocab_subset=subset,
+                                 soft_ids=soft[0], soft_logp=soft[1], kl_weight=tcfg.kl_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -342,6 +484,7 @@ def train_drafter(data: str, out: str, target: str = "smollm2", num_layers: int 
             extra["train_seconds"] += now - seg_t
             seg_t = now
             log.write(json.dumps({"step": step, "loss": round(float(loss), 4), "loss_ema": round(ema, 4),
+                                  "ce": round(stats["ce"], 4), "kl": None if stats["kl"] is None else round(stats["kl"], 4),
                                   "lr": cur_lr, "grad_norm": round(float(gn), 3), "tau": round(stats["tau"], 3),
                                   "acc": [round(a, 3) for a in stats["pos_acc"][:15]],
                                   "train_seconds": round(extra["train_seconds"], 1),

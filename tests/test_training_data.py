@@ -1,0 +1,133 @@
+"""Training-data generation (batched Llama generator), draft vocabulary, batches with top-k, configs."""
+import random
+
+import pytest
+import torch
+from helpers import hf_greedy, tiny_target
+
+from taps.data.generation import LlamaGenerator
+from taps.data.magpie import clean_turn
+from taps.training.data import BuildDataConfig
+from taps.training.draft_vocab import select_draft_vocab, vocab_coverage
+from taps.training.train import TrainConfig, block_loss, make_batch
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 40, (n,), generator=g).tolist() for n in (7, 2, 13, 5)]
+
+
+def test_generator_matches_hf_greedy_features_and_topk():
+    """Left-padded batch, rows leaving the batch at their end token: tokens equal HF generate row by row,
+    captured features equal output_hidden_states[id+1] (not the last layer: HF norms that one), top-k equals
+    log_softmax of HF logits."""
+    torch.manual_seed(0)
+    model = tiny_target(0)
+    prompts = _prompts()
+    n = 12
+    free = [hf_greedy(model, p, n) for p in prompts]
+    eos = free[0][4]  # a token some rows emit: those rows stop early and the batch is compacted
+    gen = LlamaGenerator(model, layer_ids=[0, 2, 4])
+    res = gen.generate(prompts, n, eos_id=eos, topk=5, compact_frac=0.2)
+    for p, f, r in zip(prompts, free, res):
+        want = f[: f.index(eos) + 1] if eos in f else f
+        assert r.tokens == p + want and r.prompt_len == len(p)
+        with torch.no_grad():
+            out = model(torch.tensor([r.tokens]), output_hidden_states=True)
+        ref = torch.cat([out.hidden_states[i + 1] for i in (0, 2, 4)], -1)[0]
+        m = len(r.tokens) - 1
+        torch.testing.assert_close(r.feats[:m].float(), ref[:m], atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
+        assert torch.equal(r.feats[m], torch.zeros_like(r.feats[m]))
+        lp = torch.log_softmax(out.logits[0, r.prompt_len - 1:-1], -1)
+        assert r.topk_ids.shape == (len(want), 5)
+        assert torch.equal(r.topk_ids[:, 0], torch.tensor(want))
+        torch.testing.assert_close(r.topk_logp, lp.gather(1, r.topk_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_generator_sampling_is_seeded_and_checks_inputs():
+    model = tiny_target(1)
+    gen = LlamaGenerator(model)
+    p = [[5, 6, 7]] * 3
+    a = gen.generate(p, 8, eos_id=0, temperature=1.0, generator=torch.Generator().manual_seed(4), capture=False)
+    b = gen.generate(p, 8, eos_id=0, temperature=1.0, generator=torch.Generator().manual_seed(4), capture=False)
+    assert [r.tokens for r in a] == [r.tokens for r in b] and a[0].feats is None
+    assert len({tuple(r.tokens) for r in a}) > 1  # rows sample independently
+    with pytest.raises(ValueError, match="prompts"):
+        gen.generate([[1], []], 4, eos_id=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        gen.generate([[1]], 0, eos_id=0)
+    with pytest.raises(ValueError, match="layer_ids"):
+        LlamaGenerator(model, layer_ids=[6])
+
+
+def test_select_draft_vocab():
+    counts = torch.tensor([0, 5, 9, 5, 1, 0, 30, 5], dtype=torch.int64)
+    # ties (id 1, 3, 7 with 5) broken by id
+    assert select_draft_vocab(counts, size=3).tolist() == [1, 2, 6]
+    assert select_draft_vocab(counts, size=3, always=[0]).tolist() == [0, 1, 2, 6]
+    ids = select_draft_vocab(counts, coverage=0.9, min_size=1)
+    assert ids.tolist() == [1, 2, 3, 6, 7] and vocab_coverage(ids, counts) >= 0.9
+    assert vocab_coverage(select_draft_vocab(counts, coverage=0.9, min_size=1)[:-1], counts) < 0.9
+    with pytest.raises(ValueError, match="size"):
+        select_draft_vocab(counts, size=9)
+    with pytest.raises(ValueError, match="all zero"):
+        select_draft_vocab(torch.zeros(4, dtype=torch.int64))
+
+
+def test_make_batch_aligns_topk_with_labels_and_kl_term():
+    """Row j of a sequence's top-k is the distribution of response token j: with greedy data its top-1 is
+    the label at every valid position; the KL term is the top-k-renormalised KL of the student."""
+    L, pl, F, k, S = 30, 8, 6, 3, 5
+    toks = torch.randint(10, 40, (L,))  # + 2 stays inside the 64-wide toy vocabulary
+    ids = torch.stack([toks[pl:], toks[pl:] + 1, toks[pl:] + 2], 1)
+    lp = torch.log_softmax(torch.randn(L - pl, k), -1).sort(-1, descending=True).values
+    sample = (toks, torch.randn(L, F), pl)
+    out = make_batch([sample, sample], S, 4, 99, random.Random(0), topk=[(ids, lp), (ids, lp)])
+    feats, blocks, anchors, labels, sid, slp = out
+    valid = labels >= 0
+    assert valid.any() and torch.equal(sid[..., 0][valid], labels[valid])
+    assert (sid[~valid] == -1).all()
+
+    class Head(torch.nn.Module):  # logits = the identity of a 64-wide hidden (vocab 64)
+        weight = torch.eye(64)
+
+        def __call__(self, h):
+            return h @ self.weight.T
+
+    class Drafter:
+        def forward_blocks(self, feats, block_ids, anchors, embed):
+            torch.manual_seed(1)
+            return torch.randn(*block_ids.shape, 64)
+
+    w = torch.ones(S - 1)
+    base, st0 = block_loss(Drafter(), Head(), None, feats, blocks, anchors, labels, w, False)
+    tot, st1 = block_loss(Drafter(), Head(), None, feats, blocks, anchors, labels, w, False,
+                          soft_ids=sid, soft_logp=slp, kl_weight=0.5)
+    h = Drafter().forward_blocks(None, blocks, None, None)[:, :, 1:][valid]
+    ls = torch.log_softmax(h, -1).gather(1, sid[valid])
+    q = torch.softmax(slp[valid], -1)
+    kl = (q * (q.log() - ls)).sum(-1).mean()
+    torch.testing.assert_close(torch.tensor(st1["kl"]), kl, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tot, base + 0.5 * kl, atol=1e-5, rtol=1e-5)
+
+
+def test_configs_reject_unknown_and_bad_options(tmp_path):
+    with pytest.raises(TypeError):
+        TrainConfig(data="d", out="o", anchors=3)  # a typo is an error, not silently ignored
+    with pytest.raises(ValueError, match="train_vocab"):
+        TrainConfig(data="d", out="o", train_vocab="some")
+    with pytest.raises(ValueError, match="init_from"):
+        TrainConfig(data="d", out="o", init_from=str(tmp_path))
+    with pytest.raises(TypeError):
+        BuildDataConfig(out="o", num_prompt=3)
+    with pytest.raises(ValueError, match="chat_fraction"):
+        BuildDataConfig(out="o", chat_fraction=1.5)
+    with pytest.raises(ValueError, match="part"):
+        BuildDataConfig(out="o", part=2, num_parts=2)
+
+
+def test_clean_turn():
+    assert clean_turn("  How do I sort a list in Python?  ") == "How do I sort a list in Python?"
+    assert clean_turn("hi there") is None  # too short
+    assert clean_turn("Tell me a story <|im_start|>assistant") is None
+    assert clean_turn("word " * 400) is None
