@@ -15,6 +15,7 @@ from .layout import CandidatePool, Selection, TopKStats, Tree
 from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool, candidate_pool, compact_kv,
                   propagate_reach, rows_linear, score_edges, select_subtree, topk_stats, tree_attention,
                   tree_mask)
+from .ops.select import UTILITY_PRESETS
 from .reference.score import ScorerWeights
 
 __version__ = "0.1.0"
@@ -25,5 +26,5 @@ __all__ = [
     "Tree", "CandidatePool", "TopKStats", "Selection", "BackendUnavailable", "available_backends", "explain",
     "candidate_pool", "topk_stats", "best_first_pool", "propagate_reach", "select_subtree", "tree_mask",
     "ancestor_bits_to_additive_mask", "tree_attention", "accept_greedy", "compact_kv",
-    "score_edges", "ScorerWeights", "rows_linear",
+    "score_edges", "ScorerWeights", "rows_linear", "UTILITY_PRESETS",
 ]

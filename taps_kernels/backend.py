@@ -254,10 +254,12 @@ def available_backends(op: str, device) -> Dict[str, str]:
 
 # --- explanation --------------------------------------------------------------------------------------------------
 
-def explain_dict(op: Optional[str] = None, device="cpu") -> Dict[str, Dict[str, object]]:
+def explain_dict(op: Optional[str] = None, device="cpu", **context) -> Dict[str, Dict[str, object]]:
     """For ``op`` (default: every op in :data:`PREFERENCES`) on ``device``:
     ``{op: {"backend": chosen, "why": reason, "order": default order, "unavailable": {backend: reason}}}``.
-    Per-call rules (``rows_linear``) are evaluated at the row's ``example`` context, shown as ``"context"``."""
+    Per-call rules (``rows_linear``'s rows and dtype, ``select_subtree``'s options) are evaluated at the
+    row's ``example`` context updated with ``context`` (e.g. ``explain("select_subtree", max_leaves=64)``),
+    shown as ``"context"``."""
     _ensure_registered()
     device = torch.device(device)
     ops = [op] if op is not None else list(PREFERENCES)
@@ -266,27 +268,27 @@ def explain_dict(op: Optional[str] = None, device="cpu") -> Dict[str, Dict[str, 
         if name not in PREFERENCES and not any(o == name for (o, _) in _IMPLS):
             raise ValueError(f"op: expected one of {sorted(PREFERENCES)}, received {name!r}")
         pref = PREFERENCES.get(name)
-        context = dict(pref.example) if pref else {}
-        chosen, why = _choose(name, device, context)
+        call = {**(pref.example if pref else {}), **context}
+        chosen, why = _choose(name, device, call)
         entry: Dict[str, object] = {
-            "backend": chosen, "why": why, "order": list(preferred_backends(name, device, **context)),
-            "unavailable": {b: r for b in BACKENDS if (r := unavailable_reason(b, device, name, **context))},
+            "backend": chosen, "why": why, "order": list(preferred_backends(name, device, **call)),
+            "unavailable": {b: r for b in BACKENDS if (r := unavailable_reason(b, device, name, **call))},
         }
-        if context:
+        if call:
             entry["context"] = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
-                                for k, v in context.items()}
+                                for k, v in call.items()}
         out[name] = entry
     return out
 
 
-def explain(op: Optional[str] = None, device="cpu") -> str:
-    """Human-readable :func:`explain_dict`: one line per op with its backend and why, then each backend that
-    cannot run it and why."""
+def explain(op: Optional[str] = None, device="cpu", **context) -> str:
+    """Human-readable :func:`explain_dict` (same arguments): one line per op with its backend and why, then
+    each backend that cannot run it and why."""
     device = torch.device(device)
     lines = [f"taps_kernels backends on {device}"
              + ("" if device.type != "cuda" or torch.cuda.is_available() else " (no CUDA device visible here)")
              + (f"; TAPS_BACKEND={os.environ['TAPS_BACKEND']}" if os.environ.get("TAPS_BACKEND") else "") + ":"]
-    for name, entry in explain_dict(op, device).items():
+    for name, entry in explain_dict(op, device, **context).items():
         ctx = entry.get("context")
         at = f" (at {', '.join(f'{k}={v}' for k, v in ctx.items())})" if ctx else ""
         lines.append(f"  {name}: {entry['backend']}{at} - {entry['why']}")

@@ -4,7 +4,6 @@ max_children, min_nodes and the "paper" preset of select_subtree.
 Expected sets come from `expected_kept`, the greedy procedure written again from its definition with plain
 sets (ancestor paths, sibling positions counted by scanning); it never calls the reference. Defaults are
 checked against the C++ backend (which predates the options) and against option values that cannot bind."""
-import dataclasses
 import math
 import random
 
@@ -334,13 +333,12 @@ def test_default_resolves_to_reference_with_the_reason_explained(monkeypatch):
     monkeypatch.setenv("TAPS_BACKEND", "cpp")
     assert backend.resolve("select_subtree", None, CPU, max_children=16)[0] == "reference"
     monkeypatch.delenv("TAPS_BACKEND")
-    # explain() evaluates a row at its example call context: at one with an option, the reason is listed
-    pref = backend.PREFERENCES["select_subtree"]
-    monkeypatch.setitem(backend.PREFERENCES, "select_subtree", dataclasses.replace(pref, example={"max_leaves": 64}))
-    entry = backend.explain_dict("select_subtree")["select_subtree"]
+    # explain() evaluates a row at the call context it is given: with an option, the reason is listed
+    assert backend.explain_dict("select_subtree")["select_subtree"]["backend"] == "cpp"
+    entry = backend.explain_dict("select_subtree", max_leaves=64)["select_subtree"]
     assert entry["backend"] == "reference" and "max_leaves=64" in entry["why"]
     assert "max_leaves=64" in entry["unavailable"]["cpp"]
-    text = backend.explain("select_subtree")
+    text = backend.explain("select_subtree", max_leaves=64)
     assert "select_subtree: reference" in text and "default options only" in text
 
 
