@@ -16,7 +16,7 @@ from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool
                   propagate_reach, rows_linear, score_edges, select_subtree, topk_stats, tree_attention,
                   tree_mask)
 from .ops.select import UTILITY_PRESETS
-from .reference.score import ScorerWeights
+from .scorer_weights import ScorerWeights
 
 __version__ = "0.1.0"
 

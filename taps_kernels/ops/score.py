@@ -9,7 +9,7 @@ from .._checks import (FLOAT_DTYPES, check_data_device, check_log_values, check_
                        differentiable_backend, first_index, values_checked)
 from ..backend import resolve
 from ..layout import CandidatePool, validate_tree
-from ..reference.score import ScorerWeights
+from ..scorer_weights import ScorerWeights
 
 
 def score_edges(pool: CandidatePool, weights: Optional[ScorerWeights], token_embeddings: Optional[torch.Tensor] = None,

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from taps_kernels import CandidatePool, ScorerWeights
-from taps_kernels.reference.score import NUM_SCALARS, scorer_features
+from taps_kernels.reference.score import scorer_features
+from taps_kernels.scorer_weights import NUM_SCALARS
 
 #: Filler logit for rows outside a segment; finite so that gradients never meet ``0 * inf``.
 _MASKED = -1e9
