@@ -145,15 +145,24 @@ class Stopwatch:
 # --- registry -----------------------------------------------------------------------------------------------------
 
 _REGISTRY: Dict[str, Tuple[Callable[[Optional[str]], TreePolicy], str]] = {}
+_PARAMS: Dict[str, str] = {}
 _DISCOVERED = False
 
 
-def register_policy(name: str, help: str = ""):
-    """Decorator registering ``factory(arg: Optional[str]) -> TreePolicy`` under ``name``."""
+def register_policy(name: str, help: str = "", params: str = ""):
+    """Decorator registering ``factory(arg: Optional[str]) -> TreePolicy`` under ``name``; ``params`` names
+    its argument after the colon (``"B"`` for ``ddtree:B``; brackets when optional), empty when it takes none."""
     def deco(factory):
         _REGISTRY[name] = (factory, help)
+        _PARAMS[name] = params
         return factory
     return deco
+
+
+def policy_params() -> Dict[str, str]:
+    """``{name: argument syntax}`` of every registered policy (``""`` when it takes none)."""
+    _discover()
+    return {k: _PARAMS.get(k, "") for k in sorted(_REGISTRY)}
 
 
 def _discover() -> None:

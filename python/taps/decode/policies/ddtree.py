@@ -33,6 +33,7 @@ class DDTreePolicy(TreePolicy):
         return BuiltTree(tree)
 
 
-@register_policy("ddtree", f"DDTree of budget B non-root nodes per row (ddtree:B; default {DEFAULT_BUDGET})")
+@register_policy("ddtree", f"DDTree: the B highest-mass prefixes of the draft marginals per row "
+                           f"(B non-root nodes, default {DEFAULT_BUDGET})", params="[B]")
 def _make(arg):
     return DDTreePolicy(parse_budget("ddtree", arg, DEFAULT_BUDGET))

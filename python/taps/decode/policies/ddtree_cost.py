@@ -45,11 +45,13 @@ class CostAwareDDTreePolicy(GatedPolicy):
             return self._throughput_build(pool.tree, pool.logq, depth_cap, draft_logits.shape[1], rows)
 
 
-@register_policy("ddtree-cost", "cost-aware DDTree: throughput rule on marginal products; ddtree-cost:N caps nodes")
+@register_policy("ddtree-cost", "cost-aware DDTree: throughput rule on marginal products, draft gating; "
+                                 "N caps nodes per row (default 64)", params="[N]")
 def _make(arg):
     return CostAwareDDTreePolicy(parse_budget("ddtree-cost", arg, DEFAULT_CAP))
 
 
-@register_policy("ddtree-cost-nogate", "cost-aware DDTree without draft gating (ablation); ddtree-cost-nogate:N")
+@register_policy("ddtree-cost-nogate", "cost-aware DDTree without draft gating (ablation); N caps nodes",
+                 params="[N]")
 def _make_nogate(arg):
     return CostAwareDDTreePolicy(parse_budget("ddtree-cost-nogate", arg, DEFAULT_CAP), gate=False)

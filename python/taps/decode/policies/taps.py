@@ -146,28 +146,29 @@ class TapsPolicy(GatedPolicy):
         return BuiltTree(tree)
 
 
-@register_policy("taps", "TAPS, throughput rule on scorer reach with the measured latency table and draft gating; "
-                         "taps:N caps nodes")
+@register_policy("taps", "TAPS: throughput rule on scorer reach with the measured latency table and draft gating; "
+                         "N caps nodes per row (default 64)", params="[N]")
 def _make(arg):
     return TapsPolicy(parse_budget("taps", arg, DEFAULT_CAP), rule="reach")
 
 
 @register_policy("taps-nogate", "TAPS throughput rule without draft gating (drafts every round; ablation); "
-                                "taps-nogate:N")
+                                "N caps nodes", params="[N]")
 def _make_nogate(arg):
     return TapsPolicy(parse_budget("taps-nogate", arg, DEFAULT_CAP), rule="reach", gate=False)
 
 
-@register_policy("taps-paper", "TAPS, published utility rule (lambda 1.0/0.002, node cap N, threshold); taps-paper:N")
+@register_policy("taps-paper", "TAPS, published utility rule (lambda 1.0/0.002, threshold); N caps nodes (default 64)",
+                 params="[N]")
 def _make_paper(arg):
     return TapsPolicy(parse_budget("taps-paper", arg, DEFAULT_CAP), rule="utility")
 
 
-@register_policy("taps-tiny", "TAPS throughput rule with the 7-scalar scorer (ablation); taps-tiny:N")
+@register_policy("taps-tiny", "TAPS throughput rule with the 7-scalar scorer (ablation); N caps nodes", params="[N]")
 def _make_tiny(arg):
     return TapsPolicy(parse_budget("taps-tiny", arg, DEFAULT_CAP), rule="reach", tiny=True)
 
 
-@register_policy("taps-fixed", "TAPS at a fixed node budget: the top-N nodes by scorer reach; taps-fixed:N")
+@register_policy("taps-fixed", "TAPS at a fixed node budget: the top-N nodes by scorer reach", params="N")
 def _make_fixed(arg):
     return TapsPolicy(parse_budget("taps-fixed", arg), rule="fixed")
