@@ -59,3 +59,15 @@ def test_policies_lists_every_policy(capsys):
     assert any(line.startswith("ddtree[:B] ") and "default 8" in line for line in lines)
     assert any(line.startswith("taps-fixed:N ") for line in lines)
     assert any(line.startswith("ar ") for line in lines)
+
+
+def test_calibrate_batch_sizes(assets, capsys, tmp_path):  # noqa: F811
+    out = tmp_path / "lat.json"
+    rc, _, err = run_cli(capsys, "calibrate", "--n-max", 2, "--prefix-len", 8, "--repeats", 1, "--batch-sizes", "2,3",
+                         "--out", out, *common(assets))
+    assert rc == 0, err
+    table = json.loads(out.read_text())
+    assert len(table["latency"]) == 3
+    for rows in (2, 3):
+        lat = table["batch_latency"][str(rows)]
+        assert len(lat) == rows * 2 + 1 and all(b >= a for a, b in zip(lat, lat[1:])) and lat[0] > 0

@@ -198,12 +198,14 @@ def _cmd_calibrate(args):
     if not args.no_drafter:
         drafter = load_drafter_cli(args, model)
     t = measure_latency(model, n_max=args.n_max, prefix_len=args.prefix_len, repeats=args.repeats, drafter=drafter,
-                        progress=True)
+                        progress=True, batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b.strip()])
     p = save_table(t, args.out or cache_path(t["machine"], t["model"]))
     raw = {int(k): v for k, v in t["raw"].items()}
     print(f"machine {t['machine']}\nmodel {t['model']}\nt0 {1000 * t['t0']:.1f} ms {t['t0_parts']}")
     for n in sorted(raw):
         print(f"  n={n:>4}  {1000 * raw[n]:8.1f} ms measured  {1000 * t['latency'][n]:8.1f} ms table")
+    for rows, table in t.get("batch_latency", {}).items():
+        print(f"  {rows} rows: " + ", ".join(f"n={n} {1000 * table[n]:.1f} ms" for n in range(0, len(table), int(rows) * 8)))
     print(f"wrote {p}")
     return 0
 
@@ -267,6 +269,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--prefix-len", type=positive_int, default=256)
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--no-drafter", action="store_true", help="time the target alone (t0 = 0)")
+    p.add_argument("--batch-sizes", default="", help="also measure batch tables for these row counts, e.g. 2,4,8 "
+                   "(batch_latency: R rows holding n nodes in total; the throughput rule sizes batched trees from it)")
     p.add_argument("--out", default=None, help="JSON path (default: $TAPS_CACHE/latency/<model>__<machine>.json)")
     add_model_flags(p)
     p.set_defaults(func=_cmd_calibrate)
