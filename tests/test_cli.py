@@ -224,3 +224,98 @@ def test_trace_config_rejects_unknown_options():
     with pytest.raises(ValueError, match="TraceConfig.top_k"):
         TraceConfig(top_k=0)
     assert TraceConfig.from_options(pool_size=8).pool_size == 8
+
+
+@pytest.fixture(scope="module")
+def batch_prompts(assets):
+    """Seven requests of ragged lengths (one with two turns): more than the largest batch, so rows are refilled."""
+    p = assets / "batch.jsonl"
+    lines = [{"prompt": " ".join(f"w{(7 * i + j) % 50}" for j in range(2 + 5 * i))} for i in range(6)]
+    lines.insert(2, {"turns": ["w5 w6", "w7 w8 w9"]})
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return p
+
+
+def test_bench_batch_sizes_rows_recomputed_from_records(assets, batch_prompts, capsys, tmp_path):
+    """--batch-sizes 1,2,3: a row per (policy, B) whose totals, tau, tokens/s and speedup are recomputed from the
+    records, and every request's tokens equal its B = 1 AR tokens."""
+    import statistics
+
+    from taps.cli.report import batch_tables, crossover
+
+    out_json = tmp_path / "batch.json"
+    policies = ("ar", "dflash", "ddtree:3")
+    rc, out, err = run_cli(capsys, "bench", "--prompts", batch_prompts, "--policies", "dflash,ddtree:3",
+                           "--batch-sizes", "3,1,2", "--max-new-tokens", 9, "--warmup", 0, "--quiet",
+                           "--out", out_json, *common(assets))
+    assert rc == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    data = json.loads(out_json.read_text())
+    assert data["config"]["batch_sizes"] == [1, 2, 3]
+    (run,) = data["runs"]  # B = 1 keeps the single-request protocol: rotation per prompt
+    assert [r["policy"] for r in records if r["batch_size"] == 1][:6] == ["ar", "dflash", "ddtree:3",
+                                                                          "ar", "ddtree:3", "dflash"]
+    (sweep,) = data["batch"]
+    rows = sweep["rows"]
+    assert not sweep["partial"] and sweep["prompts"] == 7
+    assert [(r["batch_size"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2, 3) for p in policies]
+    ar1 = {r["id"]: [t["token_ids"] for t in r["turns"]] for r in records if r["policy"] == "ar" and r["batch_size"] == 1}
+    assert len(ar1) == 7
+    total = {}
+    for row in rows:
+        B = row["batch_size"]
+        recs = [r for r in records if r["policy"] == row["policy"] and r["batch_size"] == B]
+        assert len(recs) == row["requests"] == 7
+        assert all([t["token_ids"] for t in r["turns"]] == ar1[r["id"]] for r in recs)
+        assert row["identical_to_ar"] == 7
+        assert row["new_tokens"] == sum(r["new_tokens"] for r in recs) == sum(
+            len(t["token_ids"]) for r in recs for t in r["turns"])
+        if B == 1:
+            wall = sum(r["seconds"] for r in recs)
+        else:
+            wall = recs[0]["batch_wall_s"]
+            assert all(r["batch_wall_s"] == wall for r in recs) and wall >= max(r["seconds"] for r in recs)
+        assert row["wall_s"] == pytest.approx(wall, rel=1e-9)
+        total[row["policy"], B] = row["new_tokens"] / wall
+        assert row["total_tokens_per_s"] == pytest.approx(total[row["policy"], B], rel=1e-9)
+        assert row["per_request_tokens_per_s_median"] == pytest.approx(
+            statistics.median(r["new_tokens"] / r["seconds"] for r in recs), rel=1e-9)
+        rounds = sum(r["rounds"] for r in recs)
+        assert row["tau"] == pytest.approx(sum(r["tau"] * r["rounds"] for r in recs) / rounds, rel=1e-9)
+    for row in rows:
+        assert row["speedup"] == pytest.approx(total[row["policy"], row["batch_size"]] / total["ar", row["batch_size"]],
+                                               rel=1e-9)
+    assert all(r["tau"] == 1.0 and r["nodes_per_round"] == 1.0 for r in rows if r["policy"] == "ar")
+    # the B = 1 row is the single-request run's own summary
+    assert rows[1]["speedup"] == pytest.approx(run["policies"]["dflash"]["speedup"], rel=1e-9)
+    # report: one line per B in each table, the crossover consistent with the speedups
+    text = "\n".join(batch_tables(sweep))
+    for b in (1, 2, 3):
+        assert text.count(f"\n| {b} | ") == 4
+    for p in ("dflash", "ddtree:3"):
+        sp = {r["batch_size"]: r["speedup"] for r in rows if r["policy"] == p}
+        c = crossover(rows, p)
+        assert (c is None) == (sp[3] >= 1.0)
+        if c is not None:
+            assert all(sp[b] < 1.0 for b in sp if b >= c) and (c == 1 or sp[max(b for b in sp if b < c)] >= 1.0)
+
+
+def test_bench_batch_size_alone_and_report(assets, batch_prompts, capsys, tmp_path):
+    """--batch-size 2 without B = 1: AR at B = 2 is the reference; `taps report` renders the batch table; the
+    flags refuse bad values with one line."""
+    out_json = tmp_path / "b2.json"
+    rc, out, err = run_cli(capsys, "bench", "--prompts", batch_prompts, "--limit", 3, "--policies", "ddtree:2",
+                           "--batch-size", 2, "--max-new-tokens", 5, "--warmup", 0, "--out", out_json, *common(assets))
+    assert rc == 0, err
+    data = json.loads(out_json.read_text())
+    assert data["runs"] == [] and [(r["batch_size"], r["policy"]) for r in data["batch"][0]["rows"]] == [
+        (2, "ar"), (2, "ddtree:2")]
+    assert all(r["identical_to_ar"] == 3 for r in data["batch"][0]["rows"])
+    rc, out, err = run_cli(capsys, "report", out_json, "--out-md", tmp_path / "b2.md", "--plots", "")
+    assert rc == 0, err
+    text = (tmp_path / "b2.md").read_text()
+    assert "## Batch sweep: jsonl:" in text and "| B | ar | ddtree:2 |" in text and "\n| 2 | " in text
+    for argv, msg in ((["--batch-size", 2, "--batch-sizes", "1,2"], "give one of them"),
+                      (["--batch-sizes", "1,x"], "--batch-sizes: expected"), (["--batch-sizes", "0,2"], ">= 1")):
+        rc, out, err = run_cli(capsys, "bench", "--prompts", batch_prompts, *argv, *common(assets))
+        assert rc == 2 and msg in err and "Traceback" not in err, err

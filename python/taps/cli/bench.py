@@ -9,22 +9,31 @@ defaults: both datasets, every DDTree budget, a temperature-1 run).
   shared machine does not always land on the same policies.
 * Runs: one at ``--temperature`` (greedy by default) per dataset; ``--t1-policies`` adds a temperature-1
   run on the first ``--t1-limit`` prompts (``ddtree-best`` = the fastest DDTree budget of the first run).
-* Output: one JSON line per (prompt, policy) on stdout (or ``--jsonl FILE``), a table per run on stderr,
-  and with ``--out`` the summary ``{"config": {...}, "runs": [{"dataset", "temperature", "prompts",
-  "policies": {spec: summary}, "best_ddtree", "partial"}]}``, rewritten after every prompt so a run cut
-  short leaves a valid file; ``taps report`` reads it.
+* Batches: ``--batch-size B`` / ``--batch-sizes 1,2,4,8,16`` run every policy with B requests at once
+  through the batched decoder (protocol and metrics: :mod:`.bench_batch`); the summary gains
+  ``"batch": [{"dataset", "temperature", "prompts", "batch_sizes", "rows": [{policy, batch_size, ...}]}]``.
+  B = 1 is the single-request protocol above (its ``runs`` entry); ``--t1-policies`` and ``--hf-baseline``
+  apply to it only.
+* Output: one JSON line per (prompt, policy[, batch size]) on stdout (or ``--jsonl FILE``), a table per run
+  on stderr, progress bars on stderr (tqdm when installed; ``--quiet`` turns them off), and with ``--out``
+  the summary ``{"config": {...}, "runs": [{"dataset", "temperature", "prompts", "policies": {spec:
+  summary}, "best_ddtree", "partial"}], "batch": [...]}``, rewritten after every prompt (every batch run)
+  so a run cut short leaves a valid file; ``taps report`` reads it.
 
 Speedup = AR seconds per output token / policy seconds per output token, both measured here.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from .bench_batch import (Progress, add_speedups, batch_row, format_batch_table, latency_note, make_batch_decoder,
+                          mark_identical, parse_batch_sizes, rotated, row_from_single, run_batch)
 from .common import (CLIError, add_model_flags, add_sampling_flags, drafter_dir_cli, hf_generate_item,
                      load_drafter_cli, load_target_cli, parse_policies, positive_int, quiet_warnings, run_item,
                      sampling_from_args, setup_torch, stop_token_ids)
@@ -58,6 +67,11 @@ def _add_flags(p, suite: bool) -> None:
     p.add_argument("--jsonl", default=None, help="write per-prompt records here instead of stdout")
     p.add_argument("--hf-baseline", action="store_true", help="greedy runs: also time HF generate(do_sample=False)")
     p.add_argument("--warmup", type=int, default=1, help="short warm-up generations per policy (default 1)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="run each policy with this many requests at once (batched decoder, continuous batching)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="comma list of batch sizes to sweep, e.g. 1,2,4,8,16 (B = 1: the single-request protocol)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_sampling_flags(p)
     p.set_defaults(max_new_tokens=64 if suite else 128)
     add_model_flags(p)
@@ -301,6 +315,7 @@ def run(args) -> int:
         log(f"taps {args.deprecated_alias}: deprecated, use `taps bench` (same flags; this alias keeps the "
             "full-suite defaults for one release)")
     specs = _specs(args)
+    batch_sizes = parse_batch_sizes(args.batch_size, args.batch_sizes)
     t1 = [s.strip() for s in args.t1_policies.split(",") if s.strip()]
     parse_policies(",".join(s for s in t1 if s != "ddtree-best") or "ar")
     sampling = sampling_from_args(args)
@@ -325,18 +340,33 @@ def run(args) -> int:
                       "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
                       "seed": args.seed, "scorer": portable_path(scorer_dir()),
                       "order": "AR first, then the other policies rotated by one per prompt",
+                      "batch_sizes": batch_sizes,
+                      "latency_table": portable_path(os.environ["TAPS_LATENCY"]) if os.environ.get("TAPS_LATENCY")
+                      else "$TAPS_CACHE/latency (per machine and model)",
                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "note": (f"first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
                                f"{args.max_new_tokens} new tokens per turn")},
            "runs": []}
+    if batch_sizes is not None:
+        out["batch"] = []
+        out["config"]["batch_order"] = "per batch size: AR first, then the other policies rotated by one per size"
     sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else sys.stdout
 
     def emit(rec):
         sink.write(json.dumps({k: v for k, v in rec.items() if k != "accept_lens"}) + "\n")
         sink.flush()
 
-    def block(ds, items, run_specs, run_sampling, warmup, hf):
+    def block(ds, items, run_specs, run_sampling, warmup, hf, records=None):
         log(f"== {ds}: {len(items)} prompts, temperature {run_sampling.temperature:g}, policies {', '.join(run_specs)}")
+        bar = Progress(len(items) * (len(run_specs) + bool(hf)), f"{ds} B=1", "gen", enabled=not args.quiet)
+
+        def on_record(rec):
+            if batch_sizes is not None:
+                rec["batch_size"] = 1
+            emit(rec)
+            if records is not None:
+                records.append(rec)
+            bar.update()
         run = {"dataset": ds, "temperature": run_sampling.temperature, "prompts": 0, "policies": {},
                "best_ddtree": None, "partial": True}
         out["runs"].append(run)
@@ -346,8 +376,11 @@ def run(args) -> int:
             if args.out:
                 _save(out, args.out)
 
-        summ = _run_block(model, tok, drafter, run_specs, items, run_sampling, args.max_new_tokens, args.seed,
-                          warmup, log, on_partial=partial, hf_baseline=hf, on_record=emit)
+        try:
+            summ = _run_block(model, tok, drafter, run_specs, items, run_sampling, args.max_new_tokens, args.seed,
+                              warmup, bar.write, on_partial=partial, hf_baseline=hf, on_record=on_record)
+        finally:
+            bar.close()
         run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
         if args.out:
             _save(out, args.out)
@@ -358,10 +391,58 @@ def run(args) -> int:
                 f"(our AR speed / HF speed, time per token: {1 / hfs['speedup']:.3f})")
         return run
 
+    def batch_block(ds, items):
+        """Every batch size of ``batch_sizes`` on one dataset (B = 1: the single-request protocol)."""
+        sweep = {"dataset": ds, "temperature": sampling.temperature, "prompts": len(items), "batch_sizes": batch_sizes,
+                 "policies": specs, "rows": [], "partial": True}
+        out["batch"].append(sweep)
+        reference = None  # {item id: AR tokens per turn}, from B = 1 when it runs
+        runs = []
+        if 1 in batch_sizes:
+            records = []
+            runs.append(block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy, records))
+            reference = {r["id"]: [t["token_ids"] for t in r["turns"]] for r in records if r["policy"] == "ar"}
+            sweep["rows"] += [row_from_single(s, [r for r in records if r["policy"] == s]) for s in specs]
+        for j, B in enumerate(b for b in batch_sizes if b > 1):
+            ref = reference  # without B = 1, each batch size compares with its own AR (which runs first)
+            for spec in rotated(specs, j):
+                dec = make_batch_decoder(model, tok, drafter, spec, B, sampling)
+                bar = Progress(sum(len(it.turns) for it in items) * args.max_new_tokens,
+                               f"{ds} B={B} {spec}", "tok", enabled=not args.quiet)
+                try:
+                    recs = run_batch(dec, tok, items, args.max_new_tokens, args.seed, args.warmup, bar)
+                finally:
+                    bar.close()
+                if spec == "ar" and ref is None:
+                    ref = {r["id"]: [t["token_ids"] for t in r["turns"]] for r in recs}
+                mark_identical(recs, ref, sampling.greedy)
+                for rec in recs:
+                    rec["policy"] = spec
+                    emit(rec)
+                row = batch_row(spec, B, recs, recs[0]["batch_wall_s"] if recs else 0.0)
+                row["latency_table"] = latency_note(dec.policy)
+                sweep["rows"].append(row)
+                add_speedups(sweep["rows"])
+                log(f"  {ds} B={B:<3} {spec:<14} {row['total_tokens_per_s']:8.2f} tok/s total, "
+                    f"{row['per_request_tokens_per_s_median']:7.2f} per request, wall {row['wall_s']:.1f} s")
+                if args.out:
+                    _save(out, args.out)
+        sweep["rows"].sort(key=lambda r: (r["batch_size"], specs.index(r["policy"])))
+        add_speedups(sweep["rows"])
+        sweep["partial"] = False
+        if args.out:
+            _save(out, args.out)
+        log(f"== {ds}: batch sweep, total tok/s = all output tokens / batch wall time")
+        log(format_batch_table(sweep["rows"]))
+        return runs
+
     t_start = time.time()
     try:
-        first = [block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy)
-                 for ds, items in datasets.items()]
+        if batch_sizes is None:
+            first = [block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy)
+                     for ds, items in datasets.items()]
+        else:
+            first = [r for ds, items in datasets.items() for r in batch_block(ds, items)]
         if t1:
             t1_sampling = SamplingConfig(temperature=1.0)
             for run in first:
