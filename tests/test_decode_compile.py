@@ -1,0 +1,84 @@
+"""The round's device-side pieces trace into one graph (``torch.compile(fullgraph=True)``), as CUDA graphs need.
+
+What compiles: the ``taps::`` custom ops the loop calls (tree mask, tree attention, accept walk, KV
+compaction) and the loop's own device-side tree edits and size rule (depth cap, top-n per row, joint batch
+sizes, committed-token packing). What does not, yet: the candidate pool, the scorer and the subtree
+selection are public ops with host-side dispatch, not ``torch.library`` custom ops, so a graph breaks there
+(the xfail below records that gap; it passes once they are registered as custom ops).
+"""
+import pytest
+import torch
+
+import taps_kernels
+from taps_kernels import Tree, custom_ops
+from taps.decode.policies.gate import batch_table, joint_sizes
+from taps.decode.tree_ops import chain_tree, keep_top, truncate_depth
+
+from helpers import random_tree
+
+
+def _tail(tokens, parents, depth, num_nodes, log_reach, caps, sizes, prefix_lens, q, keys, values, target, table):
+    """Per-row top-n + depth cap, mask, attention, acceptance, compaction, packed result."""
+    tree = Tree(tokens, parents, depth, num_nodes)
+    tree = keep_top(tree, log_reach, sizes, caps, levels=8)
+    _, bits = custom_ops.tree_mask(tree, prefix_lens)
+    N = tree.tokens.shape[1]
+    out = custom_ops.tree_attention(q[:, :, :N], keys[0], values[0], bits, prefix_lens)
+    path, acc, nxt = custom_ops.accept_greedy(tree, target[:, :N], max_depth=N - 1)
+    new_lens = custom_ops.compact_kv(keys, values, prefix_lens, path)
+    joint, expected, _ = joint_sizes(log_reach, table, 0.05, rows=tokens.shape[0], max_nodes=8)
+    return torch.cat([acc[:, None], nxt[:, None], new_lens[:, None], joint[:, None], path], 1), out, expected
+
+
+def _inputs(seed):
+    import random
+
+    rng = random.Random(seed)
+    tree = random_tree(rng, 3, 12, vocab=40)
+    g = torch.Generator().manual_seed(seed)
+    B, N = tree.tokens.shape
+    log_reach = -torch.rand(B, N, generator=g).cumsum(1)
+    log_reach[:, 0] = 0
+    log_reach = torch.where(torch.arange(N)[None] < tree.num_nodes[:, None], log_reach, torch.tensor(float("-inf")))
+    H, Dh, L = 2, 8, 40
+    prefix = torch.tensor([5, 17, 0])
+    keys = [torch.randn(B, H, L, Dh, generator=g) for _ in range(2)]
+    values = [torch.randn(B, H, L, Dh, generator=g) for _ in range(2)]
+    q = torch.randn(B, 4, N, Dh, generator=g)
+    target = tree.tokens.clone()
+    target[:, ::2] = 0  # the walk accepts some nodes and stops at others
+    table = batch_table({"latency": [0.05 + 0.004 * n for n in range(9)]}, B, 24)
+    return (tree.tokens, tree.parents, tree.depth, tree.num_nodes, log_reach, torch.tensor([3, 1, 0]),
+            torch.tensor([6, 4, 9]), prefix, q, keys, values, target, table)
+
+
+def test_round_tail_compiles_fullgraph_and_equals_eager():
+    eager_in, comp_in = _inputs(0), _inputs(0)
+    want = _tail(*eager_in)
+    got = torch.compile(_tail, fullgraph=True, backend="aot_eager")(*comp_in)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(comp_in[9] + comp_in[10], eager_in[9] + eager_in[10]):  # the compaction mutated both alike
+        assert torch.equal(a, b)
+
+
+def test_policy_chain_and_depth_cap_compile():
+    def dflash(bonus, logits, caps):
+        return truncate_depth(chain_tree(bonus, logits.argmax(-1)), caps).tokens
+
+    bonus, logits, caps = torch.tensor([1, 2]), torch.randn(2, 5, 30), torch.tensor([2, 5])
+    got = torch.compile(dflash, fullgraph=True, backend="aot_eager")(bonus, logits, caps)
+    assert torch.equal(got, dflash(bonus, logits, caps))
+
+
+@pytest.mark.xfail(reason="candidate_pool / score_edges / select_subtree are not torch.library custom ops yet: "
+                          "their host-side dispatch breaks the graph", strict=False)
+def test_pool_score_select_compile_fullgraph():
+    def build(logits, bonus):
+        pool = taps_kernels.candidate_pool(logits, bonus, top_k=4, pool_size=8)
+        _, _, log_reach = taps_kernels.score_edges(pool, None)
+        return taps_kernels.select_subtree(pool.tree, log_reach, 4).tree.tokens
+
+    logits, bonus = torch.randn(2, 5, 30), torch.tensor([1, 2])
+    got = torch.compile(build, fullgraph=True, backend="aot_eager")(logits, bonus)
+    assert torch.equal(got, build(logits, bonus))
