@@ -66,3 +66,28 @@ def test_every_policy_equals_hf_generate(smollm2, prompt, monkeypatch):
     for spec in specs:
         res = SpeculativeDecoder(model, make_policy(spec), drafter=drafter, stop_token_ids=stops).generate(ids, 24)
         assert res.token_ids == ref, (spec, tok.decode(res.token_ids), tok.decode(ref))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check is for CPU-only machines")
+def test_cli_triton_kernel_path_equals_ar(capsys, monkeypatch):
+    """``TRITON_INTERPRET=1 taps generate --backend triton --attention taps_tree --policy P ... --json`` prints the
+    token ids of ``--policy ar`` for P in dflash, ddtree:8 and taps (Triton kernels run on CPU tensors)."""
+    import json
+    import os
+
+    from taps.cli.main import main
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # conftest sets it before taps_kernels is imported
+    monkeypatch.setenv("TAPS_BACKEND", "")  # the CLI sets it for its run; restored afterwards
+    monkeypatch.setenv("TAPS_LATENCY", str(LATENCY))
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    outs = {}
+    for policy in ["ar", "dflash", "ddtree:8"] + (["taps"] if (SCORER / "config.json").is_file() else []):
+        rc = main(["generate", "--backend", "triton", "--attention", "taps_tree", "--policy", policy, "--prompt", prompt,
+                   "--max-new-tokens", "8", "--temperature", "0", "--json"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        outs[policy] = json.loads(out)["token_ids"]
+    assert len(outs["ar"]) == 8
+    for policy, ids in outs.items():
+        assert ids == outs["ar"], policy
