@@ -116,14 +116,15 @@ if ! OPTIONAL=fallback run build 200 $((R_TESTS + R_TESTS + R_DECODE)) \
     *) run build_inplace 150 $((R_TESTS + R_TESTS + R_DECODE)) env TAPS_CUDA=1 "$PY" setup.py build_ext --inplace ;;
   esac
 fi
+# The CUDA-extension tests fail (not skip) when it is missing; everything else goes on without it.
+export TAPS_REQUIRE_CUDA_EXT=1
 if "$PY" -c "import taps_kernels._C_cuda" >"$LOG_DIR/cuda_extension.log" 2>&1; then
   CUDA_EXT="loaded"
-  export TAPS_REQUIRE_CUDA_EXT=1  # from here a missing extension would be a failure, not a skip
 else
   CUDA_EXT="MISSING"
   echo "!!! taps_kernels._C_cuda did not build or load: continuing with the Triton paths; tree_mask,"
-  echo "!!! accept_greedy and compact_kv fall back to the PyTorch reference. $(tail -n 1 "$LOG_DIR/cuda_extension.log")"
-  export TAPS_REQUIRE_CUDA_EXT=0
+  echo "!!! accept_greedy and compact_kv fall back to the PyTorch reference (their GPU tests fail)."
+  echo "!!! $(tail -n 1 "$LOG_DIR/cuda_extension.log")"
 fi
 STEPS+=("cuda_extension|$CUDA_EXT|0|taps_kernels._C_cuda $( [ "$CUDA_EXT" = loaded ] && echo imports || echo 'missing: Triton paths + reference fallbacks')")
 

@@ -62,7 +62,9 @@ def test_host_read_counter_counts_reads():
 
 def test_decode_check_quick_cpu(tmp_path):
     env = dict(os.environ, OUT="", PYTHONUNBUFFERED="1")
-    out = subprocess.run([sys.executable, str(DECODE), "--device", "cpu", "--quick", "--out", str(tmp_path)],
+    # bfloat16 timing + float32 exactness, as on a GPU: two copies of the same weights
+    out = subprocess.run([sys.executable, str(DECODE), "--device", "cpu", "--quick", "--dtype", "bfloat16",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PROJECTION (not a measurement)" in out.stdout and "tau ~ 1" in out.stdout
@@ -70,17 +72,23 @@ def test_decode_check_quick_cpu(tmp_path):
     specs = rec["meta"]["policies"]
     assert specs == ["ar", "dflash", "ddtree:16", "ddtree:64", "taps"]
     max_new = rec["meta"]["max_new_tokens"]
+    assert rec["meta"]["dtype"] == "torch.bfloat16" and rec["meta"]["check_dtype"] == "torch.float32"
     for phase in ("timed_b1", "exact_batched", "exact_b1", "timed_batched"):
         runs = rec["runs"][phase]
         assert sorted(runs) == sorted(specs), phase
         ar = runs["ar"]["tokens"]
         assert len(ar) == 2 and all(len(t) == max_new for t in ar)
         for spec in specs:
-            assert runs[spec]["tokens"] == ar and runs[spec]["identical_to_ar"], (phase, spec)
+            same = runs[spec]["tokens"] == ar
+            assert runs[spec]["identical_to_ar"] == same, (phase, spec)
+            if phase.startswith("exact"):  # float32 decides; bfloat16 differences are reported, not judged
+                assert same, (phase, spec)
+            else:
+                assert same or runs[spec]["divergences"], (phase, spec)
     # the reference for ar itself: Hugging Face greedy decoding of the same seeded target
     sys.path.insert(0, str(DECODE.parent))
     bd = importlib.import_module("bench_decode_gpu")
-    target = bd.build_target(bd.target_config(quick=True), rec["meta"]["seed"])
+    target = bd.build_target(bd.target_config(quick=True), rec["meta"]["seed"])  # float32
     _, prompts = bd.load_prompts(2)
     from helpers import hf_greedy
 
