@@ -1,21 +1,24 @@
 """Microbenchmarks of the fused kernels against their references and the usual PyTorch alternatives.
 
-Tree attention (32 query heads / 8 KV heads, head dim 128, prefix x tree size grid):
-  * ``triton``      the Triton tree-attention kernel (GPU only),
+Tree attention, two head shapes: SmolLM2-135M (9 query / 3 KV heads, head dim 64) and a Qwen3-8B-like
+layer (32 / 8, head dim 128); the headline point is prefix 4096, a 64-node tree, bf16 (GPU):
+  * ``triton``      the Triton tree-attention kernel (GPU only; prefix split over SMs when B*Hkv is small),
   * ``reference``   the PyTorch reference (dense fp32 scores, the spec),
   * ``sdpa_mask``   ``scaled_dot_product_attention`` with a dense additive float mask ``[B,1,N,L]``
-                    (K/V already expanded to 32 heads outside the timed region: favourable to SDPA),
+                    (K/V already expanded to Hq heads outside the timed region: favourable to SDPA),
   * ``flex``        FlexAttention with a block mask built from the ancestor bits (GPU, where available),
-  * ``sdpa_causal`` SDPA with a lower-right causal mask: N ordinary causal queries over the same
-                    prefix (chunked prefill), the cost a tree of N nodes is compared against.
+  * ``sdpa_causal`` causal flash attention: SDPA with a lower-right causal mask, i.e. the same N queries
+                    over the same prefix as ordinary causal tokens (chunked prefill) - the cost a tree of
+                    N nodes is compared against.
 Top-K statistics (15 draft positions): ``triton``, ``reference``, and ``torch.topk`` alone.
-Edge scoring (full 111->64 scorer, E = H = 2560): ``triton``, ``reference``, and ``cpp`` on CPU.
+Edge scoring (full 111->64 scorer): ``triton``, ``reference``, and ``cpp`` on CPU.
 
 GPU: CUDA events, median of many runs. CPU: wall clock, median, reduced grid, and only the
-PyTorch paths: the Triton interpreter is a correctness tool, not a speed path.
+PyTorch paths: the Triton interpreter is a correctness tool, not a speed path. ``--quick`` shrinks
+every size so the script runs in seconds on a CPU (the smoke test in tests/ runs it that way).
 
-Writes ``bench/results/kernels_<device>.json`` and ``bench/results/kernels_<device>.png``.
-Usage: ``python bench/bench_kernels.py [--iters 50] [--quick]``.
+Prints a table and writes ``bench/results/kernels_<device>.json`` (and a plot when matplotlib is present).
+Usage: ``python bench/bench_kernels.py [--iters 50] [--quick] [--out DIR]``.
 """
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ from taps_kernels.reference.mask import ancestor_bits_reference  # noqa: E402
 from taps_kernels.reference.pool import topk_stats_reference  # noqa: E402
 from taps_kernels.reference.score import score_edges_reference  # noqa: E402
 
-HQ, HKV, DH = 32, 8, 128
+# (label, Hq, Hkv, Dh) of the attention benchmark
+SHAPES = [("smollm2", 9, 3, 64), ("qwen3-8b", 32, 8, 128)]
+HEADLINE = (4096, 64)  # (prefix, tree nodes)
 DRAFT_POSITIONS = 15
 
 
@@ -64,9 +69,9 @@ def _flex():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
-    import torch._dynamo
-    # one compiled kernel per (prefix, N) point: raise the recompile limit so no point falls back to eager
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    import torch._dynamo as dynamo  # binds "dynamo": a bare "import torch._dynamo" here would make "torch" local
+    # one compiled kernel per (shape, prefix, N) point: raise the recompile limit so no point falls back to eager
+    dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
     return torch.compile(flex_attention, dynamic=False), create_block_mask
 
 
@@ -101,51 +106,60 @@ def draft_tree(n_rows, device, seed=0):
     return pool
 
 
-def bench_attention(device, dtype, prefixes, sizes, warmup, iters, rows):
+def bench_attention(device, dtype, prefixes, sizes, warmup, iters, rows, shapes=SHAPES):
     triton_ops, flex = _triton_ops(), _flex()
-    for P in prefixes:
-        for N in sizes:
-            pool = draft_tree(N, device)
-            bits = ancestor_bits_reference(pool.tree.parents, pool.tree.num_nodes).to(device)
-            L = P + N
-            g = torch.Generator().manual_seed(P + N)
-            q = torch.randn(1, HQ, N, DH, generator=g).to(device=device, dtype=dtype)
-            k = torch.randn(1, HKV, L, DH, generator=g).to(device=device, dtype=dtype)
-            v = torch.randn(1, HKV, L, DH, generator=g).to(device=device, dtype=dtype)
-            plen = torch.tensor([P], dtype=torch.int64, device=device)
-            visible = tree_visibility(bits, plen, L)  # [1,N,L] bool
-            add_mask = torch.zeros(1, 1, N, L, dtype=dtype, device=device).masked_fill(
-                ~visible[:, None], torch.finfo(dtype).min)
-            kx, vx = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
-            impls = {
-                "reference": lambda: tree_attention_reference(q, k, v, bits, plen),
-                "sdpa_mask": lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=add_mask),
-            }
-            try:
-                from torch.nn.attention.bias import causal_lower_right
-                causal = causal_lower_right(N, L)
-                impls["sdpa_causal"] = lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=causal)
-            except ImportError:
-                pass
-            if triton_ops is not None:
-                impls["triton"] = lambda: triton_ops["tree_attention"](q, k, v, bits, plen)
-            if flex is not None:
-                flex_attention, create_block_mask = flex
-                vis = visible[0]
+    for label, HQ, HKV, DH in shapes:
+        for P in prefixes:
+            for N in sizes:
+                pool = draft_tree(N, device)
+                bits = ancestor_bits_reference(pool.tree.parents, pool.tree.num_nodes).to(device)
+                L = P + N
+                g = torch.Generator().manual_seed(P + N)
+                q = torch.randn(1, HQ, N, DH, generator=g).to(device=device, dtype=dtype)
+                # K/V as views of a preallocated cache with spare capacity, as a decoder holds them
+                k = torch.randn(1, HKV, L + 256, DH, generator=g).to(device=device, dtype=dtype)[:, :, :L]
+                v = torch.randn(1, HKV, L + 256, DH, generator=g).to(device=device, dtype=dtype)[:, :, :L]
+                plen = torch.tensor([P], dtype=torch.int64, device=device)
+                visible = tree_visibility(bits, plen, L)  # [1,N,L] bool
+                add_mask = torch.zeros(1, 1, N, L, dtype=dtype, device=device).masked_fill(
+                    ~visible[:, None], torch.finfo(dtype).min)
+                kx, vx = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+                impls = {
+                    "reference": lambda: tree_attention_reference(q, k, v, bits, plen),
+                    "sdpa_mask": lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=add_mask),
+                }
+                try:
+                    from torch.nn.attention.bias import causal_lower_right
+                    causal = causal_lower_right(N, L)
+                    impls["sdpa_causal"] = lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=causal)
+                except ImportError:
+                    pass
+                if triton_ops is not None:
+                    impls["triton"] = lambda: triton_ops["tree_attention"](q, k, v, bits, plen)
+                if flex is not None and (P, N) == HEADLINE:  # one torch.compile per point: only the headline
+                    flex_attention, create_block_mask = flex
+                    vis = visible[0]
 
-                def mask_mod(b, h, q_idx, kv_idx):
-                    return vis[q_idx, kv_idx]
+                    def mask_mod(b, h, q_idx, kv_idx):
+                        return vis[q_idx, kv_idx]
 
-                block_mask = create_block_mask(mask_mod, None, None, N, L, device=device)
-                impls["flex"] = lambda: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-            if device.type == "cpu" and P * N > 4096 * 256:
-                impls.pop("reference")  # dense fp32 scores of this size take seconds per call on 2 cores
-            flops = 4.0 * HQ * N * L * DH  # dense-equivalent work, same count for every implementation
-            for name, fn in impls.items():
-                ms = time_ms(fn, device, warmup, iters)
-                rows.append({"kernel": "tree_attention", "impl": name, "prefix": P, "nodes": N, "ms": ms,
-                             "tflops": flops / (ms * 1e-3) / 1e12})
-                print(f"  tree_attention  prefix={P:6d} N={N:5d}  {name:12s} {ms:10.3f} ms")
+                    block_mask = create_block_mask(mask_mod, None, None, N, L, device=device)
+                    impls["flex"] = lambda: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+                if device.type == "cpu" and P * N * HQ > 4096 * 256 * 32:
+                    impls.pop("reference")  # dense fp32 scores of this size take seconds per call on 2 cores
+                flops = 4.0 * HQ * N * L * DH  # dense-equivalent work, same count for every implementation
+                kv_bytes = 2.0 * HKV * L * DH * k.element_size()  # K and V read once: the floor for decode
+                for name, fn in impls.items():
+                    try:
+                        ms = time_ms(fn, device, warmup, iters)
+                    except Exception as exc:  # one failing path (e.g. flex on an old torch) must not end the run
+                        print(f"  tree_attention  {label:9s} prefix={P:6d} N={N:5d}  {name:12s} FAILED: "
+                              f"{type(exc).__name__}: {str(exc)[:200]}")
+                        continue
+                    rows.append({"kernel": "tree_attention", "shape": label, "Hq": HQ, "Hkv": HKV, "Dh": DH,
+                                 "impl": name, "prefix": P, "nodes": N, "ms": ms,
+                                 "tflops": flops / (ms * 1e-3) / 1e12, "kv_gbps": kv_bytes / (ms * 1e-3) / 1e9})
+                    print(f"  tree_attention  {label:9s} prefix={P:6d} N={N:5d}  {name:12s} {ms:10.3f} ms")
 
 
 def bench_topk(device, vocab_sizes, top_k, warmup, iters, rows):
@@ -208,18 +222,19 @@ def plot(rows, path, title):
     import matplotlib.pyplot as plt
 
     att = [r for r in rows if r["kernel"] == "tree_attention"]
-    prefixes = sorted({r["prefix"] for r in att})
-    fig, axes = plt.subplots(1, len(prefixes) + 1, figsize=(4.2 * (len(prefixes) + 1), 3.8), squeeze=False)
-    for ax, P in zip(axes[0], prefixes):
+    panels = list(dict.fromkeys((r["shape"], r["prefix"]) for r in att))
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.8), squeeze=False)
+    for ax, (shape, P) in zip(axes[0], panels):
         for impl in sorted({r["impl"] for r in att}):
-            pts = sorted((r["nodes"], r["ms"]) for r in att if r["prefix"] == P and r["impl"] == impl)
+            pts = sorted((r["nodes"], r["ms"]) for r in att if (r["shape"], r["prefix"]) == (shape, P)
+                         and r["impl"] == impl)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=impl)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tree nodes N")
         ax.set_ylabel("ms (median)")
-        ax.set_title(f"tree attention, prefix {P}")
+        ax.set_title(f"tree attention {shape}, prefix {P}", fontsize=8)
         ax.legend(fontsize=7)
     ax = axes[0][-1]
     other = [r for r in rows if r["kernel"] != "tree_attention"]
@@ -233,6 +248,28 @@ def plot(rows, path, title):
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def print_tables(rows):
+    """Tree attention per shape against causal flash attention (ratio), then top-K against torch.topk."""
+    att = [r for r in rows if r["kernel"] == "tree_attention"]
+    impls = [i for i in ("triton", "flex", "sdpa_mask", "reference", "sdpa_causal") if any(r["impl"] == i for r in att)]
+    print("\n# tree attention, ms (x = ratio to sdpa_causal: the same N queries as causal tokens over the same prefix)")
+    print(f"{'shape':>9} {'prefix':>7} {'N':>5} " + " ".join(f"{i:>20}" for i in impls))
+    for key in dict.fromkeys((r["shape"], r["prefix"], r["nodes"]) for r in att):
+        pts = {r["impl"]: r["ms"] for r in att if (r["shape"], r["prefix"], r["nodes"]) == key}
+        base = pts.get("sdpa_causal")
+        cells = [f"{'-':>20}" if i not in pts else
+                 f"{pts[i]:>11.3f}{(f' ({pts[i] / base:5.2f}x)' if base else ''):>9}" for i in impls]
+        print(f"{key[0]:>9} {key[1]:>7} {key[2]:>5} " + " ".join(cells))
+    top = [r for r in rows if r["kernel"] == "topk_stats"]
+    if top:
+        print("\n# top-K statistics, ms (x = ratio to torch.topk alone)")
+        for V in dict.fromkeys(r["vocab"] for r in top):
+            pts = {r["impl"]: r["ms"] for r in top if r["vocab"] == V}
+            base = pts.get("torch.topk")
+            print(f"  V={V:7d}  " + "  ".join(f"{i} {ms:.3f}" + (f" ({ms / base:.2f}x)" if base else "")
+                                              for i, ms in pts.items()))
 
 
 def main(argv=None):
@@ -251,51 +288,35 @@ def main(argv=None):
         torch.set_num_threads(args.threads or 1)
     warmup = 10 if gpu else 1
     if gpu:
-        prefixes, sizes, vocabs, score_sizes, dtype = [512, 4096, 16384], [16, 64, 256, 1024], [49152, 151936], \
-            [16, 64, 256, 1024], torch.bfloat16
+        prefixes, sizes, vocabs, score_sizes, embed, dtype = [4096, 16384], [16, 64, 256], [49152, 151936], \
+            [16, 64, 256], 2560, torch.bfloat16
     else:
-        prefixes, sizes, vocabs, score_sizes, dtype = [512, 4096], [16, 64, 256], [49152, 151936], [16, 64, 256], \
+        prefixes, sizes, vocabs, score_sizes, embed, dtype = [512, 4096], [16, 64], [49152, 151936], [16, 64], 2560, \
             torch.float32
-    if args.quick:
-        prefixes, sizes, vocabs, score_sizes = prefixes[:1], sizes[:2], vocabs[:1], score_sizes[:1]
+    if args.quick:  # seconds on a CPU: the smoke test
+        prefixes, sizes, vocabs, score_sizes, embed = [128], [16], [4096], [16], 64
     note = ("GPU: CUDA events, median of %d runs" % iters if gpu else
             "CPU: wall clock, median of %d runs, reduced grid, PyTorch paths only (the Triton interpreter is a "
             "correctness tool, not a speed path, so Triton/FlexAttention are not timed here); the dense reference "
-            "is skipped where prefix*N > 4096*256" % iters)
+            "is skipped where prefix*N*Hq > 4096*256*32" % iters)
     print(f"# taps_kernels kernel benchmark on {device_tag(device)} ({note})")
-    print(f"# tree attention: Hq={HQ} Hkv={HKV} Dh={DH} dtype={str(dtype).replace('torch.', '')}; "
+    print(f"# tree attention shapes (label, Hq, Hkv, Dh): {SHAPES}, dtype={str(dtype).replace('torch.', '')}; "
           f"torch threads={torch.get_num_threads()}")
     rows = []
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # CPU numbers are only as quiet as the machine
     torch.set_grad_enabled(False)
     bench_attention(device, dtype, prefixes, sizes, warmup, iters, rows)
     bench_topk(device, vocabs, 64, warmup, iters, rows)
-    bench_score(device, score_sizes, 2560, warmup, iters, rows)
-
-    # summary table: each attention point against the causal-prefill baseline
-    print("\n# tree attention, ms (x = ratio to sdpa_causal, N causal queries over the same prefix)")
-    att = [r for r in rows if r["kernel"] == "tree_attention"]
-    impls = [i for i in ("triton", "flex", "sdpa_mask", "reference", "sdpa_causal") if any(r["impl"] == i for r in att)]
-    print(f"{'prefix':>7} {'N':>5} " + " ".join(f"{i:>20}" for i in impls))
-    for P in prefixes:
-        for N in sizes:
-            pts = {r["impl"]: r["ms"] for r in att if r["prefix"] == P and r["nodes"] == N}
-            base = pts.get("sdpa_causal")
-            cells = []
-            for i in impls:
-                if i not in pts:
-                    cells.append(f"{'-':>20}")
-                else:
-                    ratio = f" ({pts[i] / base:5.2f}x)" if base else ""
-                    cells.append(f"{pts[i]:>11.3f}{ratio:>9}")
-            print(f"{P:>7} {N:>5} " + " ".join(cells))
+    bench_score(device, score_sizes, embed, warmup, iters, rows)
+    print_tables(rows)
 
     os.makedirs(args.out, exist_ok=True)
     tag = device_tag(device)
     meta = {"device": tag, "torch": torch.__version__, "python": platform.python_version(),
             "cpu_threads": torch.get_num_threads(), "note": note, "iters": iters,
             "loadavg_1m_start": load_start, "loadavg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            "attention_shape": {"Hq": HQ, "Hkv": HKV, "Dh": DH, "dtype": str(dtype)}}
+            "attention_shapes": [dict(zip(("label", "Hq", "Hkv", "Dh"), sh)) for sh in SHAPES],
+            "dtype": str(dtype), "quick": args.quick}
     try:
         import triton
         meta["triton"] = triton.__version__

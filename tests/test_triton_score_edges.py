@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import taps_kernels
-from taps_kernels import ScorerWeights, candidate_pool, score_edges
+from taps_kernels import CandidatePool, ScorerWeights, Tree, candidate_pool, score_edges
 from taps_kernels.reference.reach import propagate_reach_reference
 from taps_kernels.reference.score import score_edges_reference
 
@@ -35,6 +35,7 @@ POOLS = {
     "n71": (2, 5, 4, 70),
     "padded": (2, 2, 2, 10),
     "n1": (1, 3, 3, 1),
+    "n129": (1, 6, 8, 128),   # the shipped policy's pool: 129 rows, two 128-node tiles in the propagation kernel
 }
 
 
@@ -210,3 +211,90 @@ def test_registered_backends():
     assert reasons["reference"] == ""
     pool, _, _ = make_pool("n31")
     assert torch.equal(score_edges(pool, None)[2], pool.logq)  # default backend on CPU
+
+
+def _to(pool, device):
+    return type(pool)(pool.tree.to(device), *(getattr(pool, f).to(device) for f in
+                                              ("logq", "step_logq", "rank", "topk_logp", "topk_ids", "entropy",
+                                               "margin", "topk_mass")))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["full", "none"])
+def test_triton_multi_tile_pools(device, kind):
+    # more than one 16-node tile in the logits kernel and one 128-node tile in the propagation kernel
+    for name in ("n129",):
+        pool, emb, hidden = make_pool(name, seed=11)
+        assert pool.tree.tokens.shape[1] > 128
+        w = make_weights(kind, pool.topk_logp.shape[1])
+        want = score_edges_reference(pool, w, emb, hidden)
+        got = score_edges_triton(_to(pool, device), None if w is None else w.to(device), emb.to(device),
+                                 hidden.to(device))
+        for label, g, r in zip(("edge_logq", "other_logq", "log_reach"), got, want):
+            assert_log_close(g, r, f"{name} {label}")
+
+
+def chain_pool(n, D, seed=0):
+    """A chain root -> 1 -> ... -> n-1, deeper than the D draft positions its statistics cover."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (1, n), generator=g)
+    parents = torch.arange(-1, n - 1, dtype=torch.int32)[None]
+    depth = torch.arange(n, dtype=torch.int32)[None]
+    tree = Tree(tokens, parents, depth, torch.tensor([n], dtype=torch.int32))
+    step = -torch.rand(1, n, generator=g)
+    step[:, 0] = 0
+    logq = step.cumsum(1)
+    topk_logp = -torch.rand(1, D, 4, generator=g).sort(-1, descending=True).values
+    pool = CandidatePool(tree, logq, step, torch.zeros(1, n, dtype=torch.int32), topk_logp,
+                         torch.zeros(1, D, 4, dtype=torch.int64), torch.rand(1, D, generator=g),
+                         torch.rand(1, D, generator=g), torch.rand(1, D, generator=g) * 0.9)
+    return pool, torch.randn(V, E, generator=g), torch.randn(1, D, H, generator=g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["full", "tiny", "none"])
+def test_tree_deeper_than_the_draft_positions(device, kind):
+    # a 30-node chain over D = 2 positions: depths 3..29 read position D-1 = 1 and still get a finite reach
+    pool, emb, hidden = chain_pool(30, 2, seed=5)
+    w = None if kind == "none" else ScorerWeights.random(E, H, max_depth=40, tiny=kind == "tiny",
+                                                         generator=torch.Generator().manual_seed(2))
+    want = score_edges_reference(pool, w, emb, hidden)
+    assert torch.isfinite(want[2]).all()
+    backends = {"triton": lambda: score_edges_triton(_to(pool, device), None if w is None else w.to(device),
+                                                     emb.to(device), hidden.to(device))}
+    if taps_kernels.backend.has_impl("score_edges", "cpp") and not taps_kernels.backend.unavailable_reason(
+            "cpp", torch.device("cpu")):
+        cpp = taps_kernels.backend.resolve("score_edges", "cpp", torch.device("cpu"))[1]
+        backends["cpp"] = lambda: cpp(pool, w, emb, hidden)
+    for backend, fn in backends.items():
+        for label, g, r in zip(("edge_logq", "other_logq", "log_reach"), fn(), want):
+            assert_log_close(g, r, f"{backend} {label}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launcher_alone_with_zero_positions_and_wild_indices(device):
+    pool, emb, hidden = make_pool("n31")
+    w = make_weights("full", 5)
+    empty = CandidatePool(pool.tree, pool.logq, pool.step_logq, pool.rank, pool.topk_logp[:, :0],
+                          pool.topk_ids[:, :0], pool.entropy[:, :0], pool.margin[:, :0], pool.topk_mass[:, :0])
+    with pytest.raises(ValueError, match="D >= 1"):
+        score_edges_triton(_to(empty, device), w.to(device), emb.to(device), hidden[:, :0].to(device))
+    # without a scorer no statistic is read: D = 0 behaves like the reference
+    got = score_edges_triton(_to(empty, device), None, None, None)
+    for label, g, r in zip(("edge_logq", "other_logq", "log_reach"), got,
+                           score_edges_reference(empty, None, None, None)):
+        assert_log_close(g, r, label)
+    with pytest.raises(ValueError, match="entropy"):
+        bad = CandidatePool(pool.tree, pool.logq, pool.step_logq, pool.rank, pool.topk_logp, pool.topk_ids,
+                            pool.entropy[:, :2], pool.margin, pool.topk_mass)
+        score_edges_triton(_to(bad, device), w.to(device), emb.to(device), hidden.to(device))
+    # token ids past the vocabulary are clamped in the kernel (the op rejects them): no read outside the table
+    wild = Tree(pool.tree.tokens + V, pool.tree.parents, pool.tree.depth, pool.tree.num_nodes)
+    clamped = Tree(torch.full_like(pool.tree.tokens, V - 1), pool.tree.parents, pool.tree.depth, pool.tree.num_nodes)
+    got = score_edges_triton(_to(CandidatePool(wild, *[getattr(pool, f) for f in (
+        "logq", "step_logq", "rank", "topk_logp", "topk_ids", "entropy", "margin", "topk_mass")]), device),
+        w.to(device), emb.to(device), hidden.to(device))
+    want = score_edges_reference(CandidatePool(clamped, *[getattr(pool, f) for f in (
+        "logq", "step_logq", "rank", "topk_logp", "topk_ids", "entropy", "margin", "topk_mass")]), w, emb, hidden)
+    for label, g, r in zip(("edge_logq", "other_logq", "log_reach"), got, want):
+        assert_log_close(g, r, label)

@@ -74,6 +74,34 @@ def test_ties_go_to_the_smallest_id_across_tiles_and_splits(device):
     assert got[1][1, 2].cpu().tolist() == list(range(40))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's log(0) and -inf - -inf under the interpreter
+@pytest.mark.parametrize("device", DEVICES)
+def test_minus_inf_tokens_match_the_reference_exactly(device):
+    # -inf = impossible token: rows with fewer finite logits than K, a row with one possible token, and a row of
+    # only -inf (refused by the op on CPU, but the kernel must still agree with the reference: NaN log-probs,
+    # entropy 0, ids 0..K-1), across tiles and splits
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, 5, 300, generator=g) * 2
+    logits[0, 0, :] = float("-inf")
+    logits[0, 0, [7, 150, 299]] = torch.tensor([1.0, -2.0, 1.0])
+    logits[0, 1, :] = float("-inf")
+    logits[0, 1, 42] = 3.0
+    logits[0, 2, :] = float("-inf")
+    logits[0, 3, 100:] = float("-inf")
+    got = topk_stats_triton(logits.to(device), 8, block_v=64, num_splits=3)
+    want = topk_stats_reference(logits, 8)
+    for name, gv, wv in zip(NAMES, got, want):
+        gv = gv.cpu()
+        assert torch.equal(torch.isnan(gv), torch.isnan(wv)), name
+        assert torch.equal(torch.isinf(gv), torch.isinf(wv)), name
+        if name == "topk_ids":
+            assert torch.equal(gv, wv), f"{name}: {gv[0, :3].tolist()} != {wv[0, :3].tolist()}"
+        else:
+            torch.testing.assert_close(gv, wv, atol=TOL[name][0], rtol=TOL[name][1], equal_nan=True)
+    assert got[1][0, 0, :3].cpu().tolist() == [7, 299, 150] and got[1][0, 0, 3:].cpu().tolist() == [0, 1, 2, 3, 4]
+    assert torch.isnan(got[0][0, 2].cpu()).all() and got[2][0, 2].item() == 0.0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_large_magnitude_and_sorted_vocab(device):
     # Ascending logits make every tile beat the running set: the worst case of the merge loop.

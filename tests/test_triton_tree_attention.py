@@ -1,10 +1,17 @@
 """Triton tree attention vs (a) the PyTorch reference and (b) a structural oracle.
 
-The oracle shares no mask code with the kernel or the reference: it replays every
-root-to-node path as an ordinary sequence ``[prefix keys | path nodes]`` through
-``scaled_dot_product_attention(is_causal=True)``; the path's last node must get the
-kernel's output. Only parent pointers are used to build the paths.
+K/V are always strided views ``cache[:, :, :L]`` of a larger preallocated cache whose unused rows
+(past L, and past each row's own tree) hold NaN: a kernel that reads a key it must not see fails.
+Cases cover head dims 64/80/128/256, GQA ratios 1/3/4, ragged batches of 1-3 rows and both the
+single-pass and the split-prefix (flash-decoding) paths.
+
+The oracle shares no mask code with the kernel or the reference: it replays every root-to-node
+path as an ordinary sequence ``[prefix keys | path nodes]`` through
+``scaled_dot_product_attention(is_causal=True)``; the path's last node must get the kernel's output.
+
+Under the interpreter bf16 is computed in float32 by the launcher (documented there); fp16 runs natively.
 """
+import math
 import os
 
 import pytest
@@ -16,19 +23,17 @@ from taps_kernels.reference.attention import tree_attention_reference
 from taps_kernels.reference.mask import ancestor_bits_reference
 
 triton = pytest.importorskip("triton")
+from taps_kernels.triton import tree_attention as TA  # noqa: E402
 from taps_kernels.triton.tree_attention import tree_attention_triton  # noqa: E402
 
 if torch.cuda.is_available():
     DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu)]
-    DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 elif os.environ.get("TRITON_INTERPRET") == "1":
     DEVICES = ["cpu"]
-    DTYPES = [torch.float32, torch.float16]  # the interpreter computes bf16 wrongly (ENVIRONMENT.md)
 else:
     DEVICES = [pytest.param("cpu", marks=pytest.mark.skip(reason="no CUDA and TRITON_INTERPRET is not 1"))]
-    DTYPES = [torch.float32]
 
-# (atol, rtol) for out; lse is always computed in fp32 but from low-precision scores.
+# (atol, rtol) for out; lse is computed in fp32 from the same rounded inputs as the reference.
 TOL_OUT = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 TOL_LSE = {torch.float32: (2e-5, 1e-5), torch.float16: (1e-4, 1e-4), torch.bfloat16: (1e-3, 1e-3)}
 
@@ -42,45 +47,88 @@ def random_tree(B, N, seed, padded=True):
         num_nodes[-1] = N - 3
     for b in range(B):
         for i in range(1, int(num_nodes[b])):
-            # bias towards recent parents so trees get deep, like draft trees
-            lo = max(0, i - 6)
+            lo = max(0, i - 6)  # bias towards recent parents so trees get deep, like draft trees
             parents[b, i] = int(torch.randint(lo, i, (1,), generator=g))
     return parents, num_nodes
 
 
-def make_inputs(B, Hq, Hkv, N, Dh, prefix, dtype, seed, padded=True):
+def make_inputs(B, Hq, Hkv, N, Dh, prefix, dtype, seed, padded=True, spare=37):
+    """q as a transposed view of ``[B, N, Hq, Dh]``; k/v as ``cache[:, :, :L]`` views with NaN in every row
+    that no query may read (past L, and past each batch row's own tree)."""
     g = torch.Generator().manual_seed(seed)
     parents, num_nodes = random_tree(B, N, seed, padded)
     bits = ancestor_bits_reference(parents, num_nodes)
     prefix_lens = torch.tensor(prefix, dtype=torch.int64)
-    L = max(prefix) + N + 5  # spare capacity past every row's tree must stay invisible
-    q = torch.randn(B, Hq, N, Dh, generator=g).to(dtype)
-    k = torch.randn(B, Hkv, L, Dh, generator=g).to(dtype)
-    v = torch.randn(B, Hkv, L, Dh, generator=g).to(dtype)
+    L = max(prefix) + N + 5
+    q = torch.randn(B, N, Hq, Dh, generator=g).to(dtype).transpose(1, 2)
+    caches = []
+    for _ in range(2):
+        cache = torch.full((B, Hkv, L + spare, Dh), float("nan"), dtype=dtype)
+        for b in range(B):
+            end = int(prefix_lens[b]) + N
+            cache[b, :, :end] = torch.randn(Hkv, end, Dh, generator=g).to(dtype)
+        caches.append(cache[:, :, :L])
+    k, v = caches
     return q, k, v, bits, prefix_lens, parents, num_nodes
 
 
+def run(device, q, k, v, bits, plen, **kw):
+    out, lse = tree_attention_triton(*(t.to(device) for t in (q, k, v, bits, plen)), **kw)
+    return out.cpu(), lse.cpu()
+
+
 CASES = [
-    # (B, Hq, Hkv, N, Dh, prefix per row)
-    (2, 4, 1, 1, 64, [0, 7]),
-    (2, 4, 1, 31, 64, [0, 70]),
-    (2, 2, 2, 33, 64, [65, 3]),
-    (1, 8, 2, 70, 64, [130]),
-    (2, 4, 1, 33, 80, [64, 0]),   # head dim padded to 128 inside the kernel
-    (2, 2, 2, 70, 80, [1, 129]),
+    # (B, Hq, Hkv, N, Dh, prefix per row, num_splits)
+    (2, 4, 1, 1, 64, [0, 7], None),
+    (2, 4, 1, 31, 64, [0, 70], None),
+    (2, 2, 2, 33, 64, [65, 3], None),
+    (1, 8, 2, 70, 64, [130], None),
+    (2, 4, 1, 33, 80, [64, 0], 3),          # head dim padded to 128; a row whose prefix is shorter than a split
+    (3, 3, 1, 20, 128, [300, 5, 129], 4),   # GQA 3, three ragged rows
+    (2, 4, 4, 40, 128, [0, 257], None),
+    (1, 6, 2, 17, 256, [200], 2),
+    (3, 9, 3, 9, 64, [513, 64, 1], 5),      # SmolLM2's 9/3 heads
 ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,Hq,Hkv,N,Dh,prefix", CASES)
-def test_matches_reference(device, dtype, B, Hq, Hkv, N, Dh, prefix):
-    q, k, v, bits, plen, _, _ = make_inputs(B, Hq, Hkv, N, Dh, prefix, dtype, seed=N * 7 + Dh)
+@pytest.mark.parametrize("B,Hq,Hkv,N,Dh,prefix,splits", CASES)
+def test_matches_reference_fp32(device, B, Hq, Hkv, N, Dh, prefix, splits):
+    q, k, v, bits, plen, _, _ = make_inputs(B, Hq, Hkv, N, Dh, prefix, torch.float32, seed=N * 7 + Dh)
+    assert k.stride(2) == Dh and k.stride(1) > k.shape[2] * Dh  # a view of a larger cache
+    if splits:
+        dev = torch.device(device)
+        block_n = TA.launch_config(N * Hq // Hkv, Dh, torch.float32, TA.shared_memory_limit(dev),
+                                   interpreter=dev.type == "cpu")[1]
+        assert TA.split_plan(k.shape[2] - N, splits, block_n)[0] > 1  # the split path really runs
     want_out, want_lse = tree_attention_reference(q, k, v, bits, plen)
-    got_out, got_lse = tree_attention_triton(*(t.to(device) for t in (q, k, v, bits, plen)))
-    assert got_out.dtype == dtype and got_lse.dtype == torch.float32
-    torch.testing.assert_close(got_out.cpu().float(), want_out.float(), atol=TOL_OUT[dtype][0], rtol=TOL_OUT[dtype][1])
-    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=TOL_LSE[dtype][0], rtol=TOL_LSE[dtype][1])
+    got_out, got_lse = run(device, q, k, v, bits, plen, num_splits=splits)
+    assert got_out.dtype == torch.float32 and got_lse.dtype == torch.float32
+    assert torch.isfinite(got_out).all() and torch.isfinite(got_lse).all()
+    torch.testing.assert_close(got_out, want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_lse, want_lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,Hq,Hkv,N,Dh,prefix,splits", [CASES[3], CASES[5], CASES[7]])
+def test_matches_reference_16bit(device, dtype, B, Hq, Hkv, N, Dh, prefix, splits):
+    q, k, v, bits, plen, _, _ = make_inputs(B, Hq, Hkv, N, Dh, prefix, dtype, seed=N + Dh)
+    want_out, want_lse = tree_attention_reference(q, k, v, bits, plen)
+    got_out, got_lse = run(device, q, k, v, bits, plen, num_splits=splits)
+    assert got_out.dtype == dtype
+    torch.testing.assert_close(got_out.float(), want_out.float(), atol=TOL_OUT[dtype][0], rtol=TOL_OUT[dtype][1])
+    torch.testing.assert_close(got_lse, want_lse, atol=TOL_LSE[dtype][0], rtol=TOL_LSE[dtype][1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_and_single_pass_agree(device):
+    q, k, v, bits, plen, _, _ = make_inputs(2, 4, 2, 12, 64, [450, 190], torch.float32, seed=3)
+    one = run(device, q, k, v, bits, plen, num_splits=1)
+    for s in (2, 7):
+        many = run(device, q, k, v, bits, plen, num_splits=s)
+        torch.testing.assert_close(many[0], one[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(many[1], one[1], atol=1e-5, rtol=1e-5)
 
 
 def _paths(parents, num_nodes, b):
@@ -99,12 +147,11 @@ def _paths(parents, num_nodes, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("Hq,Hkv,N,prefix", [(4, 1, 33, [0, 45]), (2, 2, 70, [17, 64])])
-def test_structural_oracle_causal_paths(device, Hq, Hkv, N, prefix):
+@pytest.mark.parametrize("Hq,Hkv,N,prefix,splits", [(4, 1, 33, [0, 45], None), (3, 3, 70, [17, 300], 3)])
+def test_structural_oracle_causal_paths(device, Hq, Hkv, N, prefix, splits):
     B, Dh = len(prefix), 64
     q, k, v, bits, plen, parents, num_nodes = make_inputs(B, Hq, Hkv, N, Dh, prefix, torch.float32, seed=N)
-    got, _ = tree_attention_triton(*(t.to(device) for t in (q, k, v, bits, plen)))
-    got = got.cpu()
+    got, _ = run(device, q, k, v, bits, plen, num_splits=splits)
     group = Hq // Hkv
     kq, vq = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B,Hq,L,Dh]
     for b in range(B):
@@ -121,14 +168,155 @@ def test_structural_oracle_causal_paths(device, Hq, Hkv, N, prefix):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bits_above_the_diagonal_are_ignored(device):
+def test_bits_above_the_diagonal_are_ignored_by_every_backend(device):
     q, k, v, bits, plen, _, _ = make_inputs(1, 2, 1, 40, 64, [9], torch.float32, seed=5)
     noisy = bits.clone()
     noisy[0, 3, 0] |= 1 << 20   # node 3 claims node 20
     noisy[0, 5, 1] |= 1 << 3    # node 5 claims node 35 (second word)
-    want = tree_attention_triton(*(t.to(device) for t in (q, k, v, bits, plen)))
-    got = tree_attention_triton(*(t.to(device) for t in (q, k, v, noisy, plen)))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    want = tree_attention_reference(q, k, v, bits, plen)
+    for got in (run(device, q, k, v, noisy, plen), tree_attention_reference(q, k, v, noisy, plen)):
+        torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-5)
+
+
+# --- non-finite contract -------------------------------------------------------------------------------------------
+
+def _same_with_nan(got, want, tol=(2e-5, 2e-5)):
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), \
+        f"NaN pattern differs at {(torch.isnan(got) != torch.isnan(want)).nonzero()[:5].tolist()}"
+    torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1], equal_nan=True)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # numpy's max under the interpreter
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_nan_propagates_to_exactly_the_rows_that_see_it(device, splits):
+    B, Hq, Hkv, N, Dh = 2, 4, 2, 20, 64
+    q, k, v, bits, plen, parents, _ = make_inputs(B, Hq, Hkv, N, Dh, [200, 70], torch.float32, seed=8)
+    q, k, v = q.clone(), k.clone(), v.clone()
+    P0, P1 = int(plen[0]), int(plen[1])
+    q[0, 1, 4] = float("nan")            # one query row
+    k[0, 1, 17] = float("nan")           # a prefix key of row 0, kv head 1 (query heads 2, 3)
+    v[1, 0, 5, 7] = float("nan")         # a prefix value of row 1, kv head 0, column 7
+    j = 6                                # a tree node of row 1: its v holds +inf in column 3
+    v[1, 1, P1 + j, 3] = float("inf")
+    k[1, 0, P1 + 11, 0] = float("nan")   # a tree key of row 1, kv head 0
+    got = run(device, q, k, v, bits, plen, num_splits=splits)
+    want = tree_attention_reference(q, k, v, bits, plen)
+    for g, w in zip(got, want):
+        _same_with_nan(g, w)
+    out, lse = got
+    assert torch.isnan(out[0, 1, 4]).all() and torch.isnan(lse[0, 1, 4])
+    assert torch.isnan(lse[0, 2:]).all() and torch.isfinite(lse[0, :2, :4]).all()
+    assert torch.isnan(out[1, :2, :, 7]).all() and torch.isfinite(lse[1, :2, :3]).all()
+    sees = torch.tensor([bool((int(bits[1, i, j // 32]) >> (j % 32)) & 1) for i in range(N)])
+    assert sees.sum() >= 2 and (~sees).sum() >= 2
+    assert torch.isnan(out[1, 2:, sees, 3]).all()                 # rows below node 6: NaN in that column
+    assert torch.isfinite(out[1, 2:, ~sees]).all()                 # every other row of those heads: untouched
+    assert torch.isfinite(out[1, 2:, sees][..., [c for c in range(Dh) if c != 3]]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_scale_and_a_row_without_visible_keys(device):
+    q, k, v, bits, plen, _, _ = make_inputs(2, 2, 1, 5, 64, [0, 3], torch.float32, seed=2)
+    out, lse = run(device, q, k, v, bits, plen, scale=float("nan"))
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    bad = bits.clone()
+    bad[0, 2] = 0  # malformed: node 2 of row 0 (prefix 0) sees nothing, not even itself
+    for splits in (None, 2):
+        got = run(device, q, k, v, bad, plen, num_splits=splits)
+        want = tree_attention_reference(q, k, v, bad, plen)
+        for g, w in zip(got, want):
+            _same_with_nan(g, w)
+        assert torch.equal(got[0][0, :, 2], torch.zeros(2, 64)) and (got[1][0, :, 2] == float("-inf")).all()
+        assert torch.isfinite(got[1][0, :, 3]).all() and torch.isfinite(got[1][1]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_of_range_prefix_values_are_clamped(device):
+    # The op rejects these on the host; the launcher alone must stay in bounds and give the clamped result.
+    B, N = 3, 6
+    q, k, v, bits, _, _, _ = make_inputs(B, 2, 1, N, 64, [40, 40, 40], torch.float32, seed=4)
+    L = k.shape[2]
+    wild = torch.tensor([-7, L, 2 ** 40], dtype=torch.int64)
+    clamped = wild.clamp(0, L - N)
+    got = run(device, q, k, v, bits, wild)
+    for want in (tree_attention_reference(q, k, v, bits, clamped), tree_attention_reference(q, k, v, bits, wild)):
+        _same_with_nan(got[0], want[0])
+        _same_with_nan(got[1], want[1])
+
+
+# --- launcher checks and configuration -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launcher_rejects_bad_shapes_and_dtypes(device):
+    q, k, v, bits, plen, _, _ = make_inputs(2, 2, 1, 40, 64, [3, 3], torch.float32, seed=1)
+    args = [t.to(device) for t in (q, k, v, bits, plen)]
+
+    def call(i, value, exc, match):
+        bad = list(args)
+        bad[i] = value
+        with pytest.raises(exc, match=match):
+            tree_attention_triton(*bad)
+
+    call(0, torch.zeros(2, 2, 40, 257, device=device), ValueError, "head_dim=257")
+    call(0, torch.zeros(2, 2, 40, 0, device=device), ValueError, "head_dim=0")
+    call(2, args[2][:, :, :-1], ValueError, "^v: ")                      # V shorter than K
+    call(3, args[3][..., :1], ValueError, "^ancestor_bits: ")           # too few bit words
+    call(3, args[3].long(), TypeError, "^ancestor_bits: .*int64")
+    call(4, args[4][:1], ValueError, "^prefix_lens: ")                  # batch mismatch
+    call(1, args[1][:1], ValueError, "^k: ")
+    call(1, args[1].half(), TypeError, "^k: ")
+    with pytest.raises(ValueError, match="at least N=40"):
+        tree_attention_triton(args[0], args[1][:, :, :39], args[2][:, :, :39], *args[3:])
+    call(1, args[1].expand(2, 3, 48, 64), ValueError, "kv heads dividing")
+    with pytest.raises(ValueError, match="num_splits"):
+        tree_attention_triton(*args, num_splits=0)
+    with pytest.raises(ValueError, match="no backward"):
+        tree_attention_triton(args[0].clone().requires_grad_(), *args[1:])
+    with torch.no_grad():
+        tree_attention_triton(args[0].clone().requires_grad_(), *args[1:])
+
+
+def test_split_heuristic_fills_the_gpu():
+    # Qwen3-8B-like decode: B=1, 8 KV heads, 64 nodes x 4:1 GQA = 256 rows = 4 tiles -> 32 programs
+    s = TA.choose_num_splits(programs=32, max_prefix=4096, block_n=64, sm_count=132)
+    assert 32 * s >= 2 * 132 and s <= 4096 // TA.MIN_KEYS_PER_SPLIT
+    assert TA.choose_num_splits(programs=200, max_prefix=4096, block_n=64, sm_count=132) == 1  # already full
+    assert TA.choose_num_splits(programs=8, max_prefix=300, block_n=64, sm_count=132) == 1     # too short to split
+    assert TA.choose_num_splits(programs=1, max_prefix=10 ** 6, block_n=64, sm_count=132) == TA.MAX_SPLITS
+    splits, chunk = TA.split_plan(4096, s, 64)
+    assert chunk % 64 == 0 and (splits - 1) * chunk < 4096 <= splits * chunk
+
+
+def test_every_launch_choice_is_compiled_ahead_of_time():
+    # tests/test_triton_gpu_compile.py compiles aot_configs(arch) and checks shared memory per arch: every
+    # configuration the launcher can pick must be among them
+    for arch, limit in TA.SHARED_MEMORY_LIMITS.items():
+        compiled = {(c[1]["q_ptr"], c[1]["out_ptr"], c[2]["BLOCK_M"], c[2]["BLOCK_N"], c[2]["BLOCK_D"], c[4], c[5])
+                    for c in TA.aot_configs(arch) if c[0] is TA._tree_attention_kernel}
+        names = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+        for dh in (1, 63, 64, 80, 128, 200, 256):
+            for rows in (1, 16, 17, 4096):
+                for dt, name in names.items():
+                    bm, bn, bd, warps, stages = TA.launch_config(rows, dh, dt, limit)
+                    assert bd >= dh
+                    for out_name in (name, "*fp32"):
+                        assert (name, out_name, bm, bn, bd, warps, stages) in compiled, (arch, dh, rows, dt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpu_fp32_tiles_under_the_interpreter(device, monkeypatch):
+    # the interpreter uses the largest tiles; the GPU's fp32 tiles (16 x 16) must be right too
+    q, k, v, bits, plen, _, _ = make_inputs(2, 3, 1, 21, 80, [70, 33], torch.float32, seed=12)
+    real = TA.launch_config
+    monkeypatch.setattr(TA, "launch_config", lambda rows, dh, dt, limit, interpreter=False: real(rows, dh, dt, limit))
+    assert TA.launch_config(63, 80, torch.float32, 0)[:2] == (16, 16)
+    for splits in (None, 2):
+        got = run(device, q, k, v, bits, plen, num_splits=splits)
+        want = tree_attention_reference(q, k, v, bits, plen)
+        torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -144,8 +332,9 @@ def test_public_op_scale_and_lse(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_largest_tree_1024_nodes(device):
     # 32 mask words per row; node 1023 uses bit 31 of word 31 (the sign bit).
-    q, k, v, bits, plen, _, _ = make_inputs(1, 2, 1, 1024, 64, [37], torch.float32, seed=11, padded=False)
+    q, k, v, bits, plen, _, _ = make_inputs(1, 1, 1, 1024, 64, [37], torch.float32, seed=11, padded=False)
     want_out, want_lse = tree_attention_reference(q, k, v, bits, plen)
-    got_out, got_lse = tree_attention_triton(*(t.to(device) for t in (q, k, v, bits, plen)))
-    torch.testing.assert_close(got_out.cpu(), want_out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=2e-5, rtol=1e-5)
+    got_out, got_lse = run(device, q, k, v, bits, plen)
+    torch.testing.assert_close(got_out, want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_lse, want_lse, atol=2e-5, rtol=1e-5)
+    assert math.isfinite(float(got_lse.max()))

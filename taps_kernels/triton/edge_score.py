@@ -2,12 +2,14 @@
 
 Two launches, because the two halves have opposite shapes:
 
-1. ``_edge_logits_kernel``, grid ``(B, cdiv(N, BLOCK_R))``: every node independently computes
-   the logit of its incoming edge and the logit of its own "other" bucket: four gathered
-   projections (child token, parent token, hidden at the child's position and at the next
-   position), the depth embeddings, the 7 scalars, then LayerNorm + Linear + SiLU + Linear for
-   both heads. The parent's token projection is recomputed by the child rather than read from
-   another program, so nodes never wait on each other; the LayerNorm is applied slot by slot
+1. ``_edge_logits_kernel``, grid ``(B, cdiv(N, BLOCK_R), 2)``: every node independently computes
+   the logit of its incoming edge (head 0) and, in a second program, the logit of its own "other"
+   bucket (head 1): gathered projections (token slots, the hidden state at the child's position),
+   the depth embedding, the 7 scalars, then LayerNorm + Linear + SiLU + Linear. One head per
+   program keeps half the projections live (255 registers for both heads at once; see
+   ``bench/results/triton_aot_resources.json``). The parent's token projection is recomputed by
+   the child rather than read from another program, so nodes never wait on each other; the
+   LayerNorm is applied slot by slot
    (``LN(x) @ W1^T = sum over slots of LN(x)[slot] @ W1[:, slot]^T``) so the 111-wide feature
    row is never materialised. This is where the FLOPs are, and it spreads over the whole GPU.
 2. ``_normalise_propagate_kernel``, grid ``(B,)``: one program per tree does the sibling
@@ -26,9 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.score import OTHER_MASS_FLOOR, ScorerWeights
+from ..scorer_weights import OTHER_MASS_FLOOR, ScorerWeights
 
 OTHER_FLOOR = tl.constexpr(OTHER_MASS_FLOOR)
+EDGE_BLOCK_R = 16  # nodes per program (tl.dot needs >= 16 rows)
+EDGE_BLOCK_K = 16  # 64 made the FMA dot operands spill (255 registers); 16 keeps ~185
+EDGE_WARPS = 4
+NORM_BLOCK = 128
 
 
 @triton.jit
@@ -119,16 +125,20 @@ def _scalars(s0, ent, mar, mass, dfrac, lq, lq_d):
 @triton.jit
 def _edge_logits_kernel(tokens_ptr, parents_ptr, depth_ptr, logq_ptr, step_ptr, ent_ptr, mar_ptr, mass_ptr,
                         emb_ptr, emb_stride, hid_ptr, hid_sb, hid_sd, tok_w_ptr, tok_b_ptr, dep_emb_ptr, dep_rows,
-                        hid_w_ptr, hid_b_ptr, mlp_ptr, mlp_size, l_edge_ptr, l_other_ptr,
-                        N, D, E, H, eps,
+                        hid_w_ptr, hid_b_ptr, mlp_ptr, mlp_size, logits_ptr,
+                        B, N, D, V, E, H, eps,
                         PT: tl.constexpr, PT_PAD: tl.constexpr, PD: tl.constexpr, PD_PAD: tl.constexpr,
                         PH: tl.constexpr, PH_PAD: tl.constexpr, F: tl.constexpr, M: tl.constexpr,
                         M_PAD: tl.constexpr, FULL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    # tokens [B,N] i64, parents/depth [B,N] i32, logq/step [B,N] f32, ent/mar/mass [B,D] f32,
+    # tokens [B,N] i64, parents/depth [B,N] i32, logq/step [B,N] f32, ent/mar/mass [B,D] f32 (D >= 1),
     # emb [V,E] (row stride emb_stride), hid [B,D,H], weights f32 contiguous, mlp [2, mlp_size] f32,
-    # l_edge/l_other [B,N] f32 out (0 where the logit is not defined).
+    # logits [2,B,N] f32 out: [0] edge logits, [1] "other" logits (0 where the logit is not defined).
+    # Grid axis 2 is the head (0 edge, 1 other): one head per program halves the live projections.
+    # Every index read from memory is clamped into its table, so no value can address outside it.
     b = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    head = tl.program_id(2)
+    is_edge = head == 0
     rm = r < N
     row = b.to(tl.int64) * N + r
     par = tl.load(parents_ptr + row, mask=rm, other=-1)
@@ -137,53 +147,52 @@ def _edge_logits_kernel(tokens_ptr, parents_ptr, depth_ptr, logq_ptr, step_ptr, 
     real = rm & ((r == 0) | (par >= 0))
     other_ok = real & (dep < D)
     lq = tl.load(logq_ptr + row, mask=real, other=0.0)
-    step = tl.load(step_ptr + row, mask=edge_ok, other=0.0)
     lq = tl.where(real, lq, 0.0)
-    # edge: child at depth dep, position dep-1; other: virtual child at depth dep+1, position dep
-    pos_e = tl.maximum(dep - 1, 0)
-    pos_o = tl.minimum(dep, D - 1)
-    stat_e = b.to(tl.int64) * D + pos_e
-    stat_o = b.to(tl.int64) * D + pos_o
-    d_e = tl.maximum(dep, 1).to(tl.float32)
-    d_o = (dep + 1).to(tl.float32)
-    mass_o = tl.load(mass_ptr + stat_o, mask=rm, other=0.0)
-    sc_e = _scalars(step, tl.load(ent_ptr + stat_e, mask=rm, other=0.0), tl.load(mar_ptr + stat_e, mask=rm, other=0.0),
-                    tl.load(mass_ptr + stat_e, mask=rm, other=0.0), d_e / D, tl.where(edge_ok, lq, 0.0),
-                    tl.where(edge_ok, lq, 0.0) / d_e)
-    sc_o = _scalars(tl.log(tl.maximum(1.0 - mass_o, OTHER_FLOOR)), tl.load(ent_ptr + stat_o, mask=rm, other=0.0),
-                    tl.load(mar_ptr + stat_o, mask=rm, other=0.0), mass_o, d_o / D, lq, lq / d_o)
-    if FULL:
-        tok = tl.load(tokens_ptr + row, mask=rm, other=0)
-        ptok = tl.load(tokens_ptr + b.to(tl.int64) * N + tl.maximum(par, 0), mask=rm, other=0)
-        x_child = _project(emb_ptr, tok * emb_stride, rm, tok_w_ptr, tok_b_ptr, E, PT, PT_PAD, BLOCK_R, BLOCK_K)
-        x_parent = _project(emb_ptr, ptok * emb_stride, rm, tok_w_ptr, tok_b_ptr, E, PT, PT_PAD, BLOCK_R, BLOCK_K)
-        hid_base = hid_ptr + b.to(tl.int64) * hid_sb
-        x_hid_e = _project(hid_base, pos_e.to(tl.int64) * hid_sd, rm, hid_w_ptr, hid_b_ptr, H, PH, PH_PAD,
-                           BLOCK_R, BLOCK_K)
-        x_hid_o = _project(hid_base, pos_o.to(tl.int64) * hid_sd, rm, hid_w_ptr, hid_b_ptr, H, PH, PH_PAD,
-                           BLOCK_R, BLOCK_K)
-        c = tl.arange(0, PD_PAD)
-        cm = c < PD
-        x_dep_e = tl.load(dep_emb_ptr + tl.minimum(dep, dep_rows - 1)[:, None] * PD + c[None, :],
-                          mask=rm[:, None] & cm[None, :], other=0.0)
-        x_dep_o = tl.load(dep_emb_ptr + tl.minimum(dep + 1, dep_rows - 1)[:, None] * PD + c[None, :],
-                          mask=rm[:, None] & cm[None, :], other=0.0)
-        l_e = _mlp_logit(x_child, x_parent, x_dep_e, x_hid_e, sc_e, mlp_ptr, eps,
-                         PT, PT_PAD, PD, PD_PAD, PH, PH_PAD, F, M, M_PAD, True)
-        l_o = _mlp_logit(x_child * 0.0, x_child, x_dep_o, x_hid_o, sc_o, mlp_ptr + mlp_size, eps,
-                         PT, PT_PAD, PD, PD_PAD, PH, PH_PAD, F, M, M_PAD, True)
+    # edge: child at depth dep, position dep-1; other: virtual child at depth dep+1, position dep;
+    # positions clamped into [0, D-1] like the reference (a node deeper than D reads position D-1)
+    pos = tl.minimum(tl.maximum(tl.where(is_edge, dep - 1, dep), 0), D - 1)
+    stat = b.to(tl.int64) * D + pos
+    mass = tl.load(mass_ptr + stat, mask=rm, other=0.0)
+    if is_edge:
+        d_f = tl.maximum(dep, 1).to(tl.float32)
+        lq_s = tl.where(edge_ok, lq, 0.0)
+        s0 = tl.load(step_ptr + row, mask=edge_ok, other=0.0)
     else:
-        l_e = _mlp_logit(sc_e, sc_e, sc_e, sc_e, sc_e, mlp_ptr, eps, 1, 16, 1, 16, 1, 16, F, M, M_PAD, False)
-        l_o = _mlp_logit(sc_o, sc_o, sc_o, sc_o, sc_o, mlp_ptr + mlp_size, eps, 1, 16, 1, 16, 1, 16, F, M, M_PAD,
-                         False)
-    tl.store(l_edge_ptr + row, tl.where(edge_ok, l_e, 0.0), mask=rm)
-    tl.store(l_other_ptr + row, tl.where(other_ok, l_o, 0.0), mask=rm)
-
+        d_f = (dep + 1).to(tl.float32)
+        lq_s = lq
+        s0 = tl.log(tl.maximum(1.0 - mass, OTHER_FLOOR))
+    sc = _scalars(s0, tl.load(ent_ptr + stat, mask=rm, other=0.0), tl.load(mar_ptr + stat, mask=rm, other=0.0),
+                  mass, d_f / D, lq_s, lq_s / d_f)
+    head_ptr = mlp_ptr + head * mlp_size
+    if FULL:
+        # token slots: edge = (child, parent) = (proj(tokens[v]), proj(tokens[u])); other = (0, proj(tokens[u]))
+        tok = tl.load(tokens_ptr + row, mask=rm, other=0)
+        pu = tl.minimum(tl.maximum(par, 0), N - 1)
+        ptok = tl.load(tokens_ptr + b.to(tl.int64) * N + pu, mask=rm, other=0)
+        tok = tl.minimum(tl.maximum(tok, 0), V - 1)
+        ptok = tl.minimum(tl.maximum(ptok, 0), V - 1)
+        x_parent = _project(emb_ptr, tl.where(is_edge, ptok, tok) * emb_stride, rm, tok_w_ptr, tok_b_ptr, E, PT,
+                            PT_PAD, BLOCK_R, BLOCK_K)
+        x_child = tl.zeros([BLOCK_R, PT_PAD], dtype=tl.float32)
+        if is_edge:
+            x_child = _project(emb_ptr, tok * emb_stride, rm, tok_w_ptr, tok_b_ptr, E, PT, PT_PAD, BLOCK_R, BLOCK_K)
+        x_hid = _project(hid_ptr + b.to(tl.int64) * hid_sb, pos.to(tl.int64) * hid_sd, rm, hid_w_ptr, hid_b_ptr, H,
+                         PH, PH_PAD, BLOCK_R, BLOCK_K)
+        c = tl.arange(0, PD_PAD)
+        dep_row = tl.minimum(tl.maximum(tl.where(is_edge, dep, dep + 1), 0), dep_rows - 1)
+        x_dep = tl.load(dep_emb_ptr + dep_row[:, None] * PD + c[None, :], mask=rm[:, None] & (c < PD)[None, :],
+                        other=0.0)
+        logit = _mlp_logit(x_child, x_parent, x_dep, x_hid, sc, head_ptr, eps,
+                           PT, PT_PAD, PD, PD_PAD, PH, PH_PAD, F, M, M_PAD, True)
+    else:
+        logit = _mlp_logit(sc, sc, sc, sc, sc, head_ptr, eps, 1, 16, 1, 16, 1, 16, F, M, M_PAD, False)
+    keep = tl.where(is_edge, edge_ok, other_ok)
+    tl.store(logits_ptr + head.to(tl.int64) * B * N + row, tl.where(keep, logit, 0.0), mask=rm)
 
 
 @triton.jit
 def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr, seg_max_ptr, seg_sum_ptr,
-                                edge_logq_ptr, other_logq_ptr, reach_ptr, N, D,
+                                edge_logq_ptr, other_logq_ptr, reach_ptr, N,
                                 NORMALISE: tl.constexpr, BLOCK: tl.constexpr):
     # parents/depth [B,N] i32; l_edge/l_other [B,N] f32 (NORMALISE) or l_edge = step_logq (marginal model);
     # scratch seg_max [B,N] f32, seg_sum [B,N] int64 (zeroed by the host); outputs [B,N] f32.
@@ -204,7 +213,7 @@ def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr,
             par = tl.load(parents_ptr + base + r, mask=rm, other=-1)
             edge_ok = rm & (par >= 0)
             le = tl.load(l_edge_ptr + base + r, mask=edge_ok, other=0.0)
-            tl.atomic_max(seg_max_ptr + base + tl.maximum(par, 0), le, mask=edge_ok)
+            tl.atomic_max(seg_max_ptr + base + tl.minimum(tl.maximum(par, 0), N - 1), le, mask=edge_ok)
         tl.debug_barrier()
         for t0 in range(0, N, BLOCK):
             r = t0 + tl.arange(0, BLOCK)
@@ -221,7 +230,7 @@ def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr,
         rm = r < N
         par = tl.load(parents_ptr + base + r, mask=rm, other=-1)
         edge_ok = rm & (par >= 0)
-        pu = tl.maximum(par, 0)
+        pu = tl.minimum(tl.maximum(par, 0), N - 1)
         le = tl.load(l_edge_ptr + base + r, mask=edge_ok, other=0.0)
         if NORMALISE:
             le = le - tl.load(seg_max_ptr + base + pu, mask=edge_ok, other=0.0)
@@ -234,7 +243,7 @@ def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr,
         par = tl.load(parents_ptr + base + r, mask=rm, other=-1)
         edge_ok = rm & (par >= 0)
         real = rm & ((r == 0) | (par >= 0))
-        pu = tl.maximum(par, 0)
+        pu = tl.minimum(tl.maximum(par, 0), N - 1)
         le = tl.load(l_edge_ptr + base + r, mask=edge_ok, other=0.0)
         own_sum = tl.load(seg_sum_ptr + base + r, mask=real, other=0).to(tl.float32) * (1.0 / 1099511627776.0)
         if NORMALISE:
@@ -254,15 +263,23 @@ def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr,
         tl.store(other_logq_ptr + base + r, o, mask=rm)
         tl.store(reach_ptr + base + r, tl.where(r == 0, 0.0, float("-inf")), mask=rm)
     tl.debug_barrier()
-    # reach, one depth at a time so that every parent is final before its children read it
-    for d in range(1, D + 1):
+    # reach, one depth at a time so that every parent is final before its children read it; up to the deepest
+    # real node (a tree may be deeper than D: its deep nodes read position D - 1 but still get a reach)
+    max_dep = 0
+    for t0 in range(0, N, BLOCK):
+        r = t0 + tl.arange(0, BLOCK)
+        rm = r < N
+        par = tl.load(parents_ptr + base + r, mask=rm, other=-1)
+        dep = tl.load(depth_ptr + base + r, mask=rm & (par >= 0), other=0)
+        max_dep = tl.maximum(max_dep, tl.max(dep, 0))
+    for d in range(1, tl.minimum(max_dep, N - 1) + 1):  # a valid tree is at most N - 1 deep
         for t0 in range(0, N, BLOCK):
             r = t0 + tl.arange(0, BLOCK)
             rm = r < N
             par = tl.load(parents_ptr + base + r, mask=rm, other=-1)
             dep = tl.load(depth_ptr + base + r, mask=rm, other=0)
             sel = rm & (par >= 0) & (dep == d)
-            val = tl.load(reach_ptr + base + tl.maximum(par, 0), mask=sel, other=0.0) + tl.load(
+            val = tl.load(reach_ptr + base + tl.minimum(tl.maximum(par, 0), N - 1), mask=sel, other=0.0) + tl.load(
                 edge_logq_ptr + base + r, mask=sel, other=0.0)
             tl.store(reach_ptr + base + r, val, mask=sel)
         tl.debug_barrier()
@@ -274,13 +291,51 @@ def _pack_head(weights: ScorerWeights, head: str) -> torch.Tensor:
     return torch.cat(parts).float()
 
 
+def _check(pool, weights, token_embeddings, drafter_hidden):
+    """Shape checks that keep every kernel read inside its tensor (no tensor values are read)."""
+    tree = pool.tree
+    B, N = tree.tokens.shape
+    D = pool.topk_logp.shape[1]
+    for name in ("parents", "depth"):
+        if tuple(getattr(tree, name).shape) != (B, N):
+            raise ValueError(f"pool.tree.{name}: expected shape {(B, N)}, received {tuple(getattr(tree, name).shape)}")
+    for name in ("logq", "step_logq"):
+        if tuple(getattr(pool, name).shape) != (B, N):
+            raise ValueError(f"pool.{name}: expected shape {(B, N)}, received {tuple(getattr(pool, name).shape)}")
+    if weights is None:
+        return
+    if D == 0:
+        raise ValueError("pool.topk_logp: the scorer reads per-position statistics, expected at least one draft "
+                         "position (D >= 1), received D = 0")
+    for name in ("entropy", "margin", "topk_mass"):
+        if tuple(getattr(pool, name).shape) != (B, D):
+            raise ValueError(f"pool.{name}: expected shape {(B, D)}, received {tuple(getattr(pool, name).shape)}")
+    if weights.full:
+        E, H = weights.token_proj_weight.shape[1], weights.hidden_proj_weight.shape[1]
+        if token_embeddings is None or token_embeddings.dim() != 2 or token_embeddings.shape[1] != E \
+                or token_embeddings.shape[0] < 1:
+            got = None if token_embeddings is None else tuple(token_embeddings.shape)
+            raise ValueError(f"token_embeddings: expected shape [V >= 1, {E}], received {got}")
+        if drafter_hidden is None or tuple(drafter_hidden.shape) != (B, D, H):
+            got = None if drafter_hidden is None else tuple(drafter_hidden.shape)
+            raise ValueError(f"drafter_hidden: expected shape {(B, D, H)}, received {got}")
+        if weights.depth_embedding.shape[0] < 1:
+            raise ValueError("weights.depth_embedding: expected at least one row")
+
+
 def score_edges_triton(pool, weights, token_embeddings, drafter_hidden):
     """Triton ``score_edges``: same contract as :func:`taps_kernels.reference.score.score_edges_reference`.
 
     ``pool`` tensors ``[B, N]`` / ``[B, D]``; ``token_embeddings [V, E]`` and ``drafter_hidden [B, D, H]``
     (any float dtype, read as float32) only for the full scorer. Returns ``edge_logq``, ``other_logq``,
     ``log_reach``, each ``[B, N] float32`` in pool node order.
+
+    Safe on its own (the op validates more): shapes are checked here, a scorer with ``D = 0`` per-position
+    statistics raises ValueError (the reference cannot index them either), a node deeper than ``D`` reads
+    position ``D - 1`` like the reference, and token, parent, depth and position VALUES are clamped into their
+    tables inside the kernels, so no value reads out of bounds (out-of-contract values give unspecified results).
     """
+    _check(pool, weights, token_embeddings, drafter_hidden)
     tree = pool.tree
     B, N = tree.tokens.shape
     D = pool.topk_logp.shape[1]
@@ -292,18 +347,17 @@ def score_edges_triton(pool, weights, token_embeddings, drafter_hidden):
     log_reach = torch.empty_like(edge_logq)
     seg_max = torch.empty_like(edge_logq)
     seg_sum = torch.zeros(B, N, dtype=torch.int64, device=dev)
-    if B == 0:
+    if B == 0 or N == 0:
         return edge_logq, other_logq, log_reach
     if weights is None:
         step = pool.step_logq.float().contiguous()
         _normalise_propagate_kernel[(B,)](parents, depth, step, step, seg_max, seg_sum, edge_logq, other_logq,
-                                          log_reach, N, D, NORMALISE=False, BLOCK=128, num_warps=4)
+                                          log_reach, N, NORMALISE=False, BLOCK=NORM_BLOCK, num_warps=4)
         return edge_logq, other_logq, log_reach
 
     pt, pd, ph, F, M = weights.dims
     mlp = torch.stack([_pack_head(weights, "edge"), _pack_head(weights, "other")]).contiguous()
-    l_edge = torch.empty(B, N, dtype=torch.float32, device=dev)
-    l_other = torch.empty_like(l_edge)
+    logits = torch.empty(2, B, N, dtype=torch.float32, device=dev)  # [edge, other]
     stats = [t.float().contiguous() for t in (pool.logq, pool.step_logq, pool.entropy, pool.margin, pool.topk_mass)]
     full = weights.full
     if full:
@@ -312,22 +366,44 @@ def score_edges_triton(pool, weights, token_embeddings, drafter_hidden):
         hid = drafter_hidden if drafter_hidden.stride(2) == 1 else drafter_hidden.contiguous()
         tok_w, tok_b, dep_emb, hid_w, hid_b = (t.contiguous() for t in (
             w.token_proj_weight, w.token_proj_bias, w.depth_embedding, w.hidden_proj_weight, w.hidden_proj_bias))
-        E, H = emb.shape[1], hid.shape[2]
+        V, E, H = emb.shape[0], emb.shape[1], hid.shape[2]
         emb_args = (emb, emb.stride(0), hid, hid.stride(0), hid.stride(1), tok_w, tok_b, dep_emb, dep_emb.shape[0],
                     hid_w, hid_b)
     else:
-        E = H = 0
+        V = E = H = 0
         emb_args = (mlp, 0, mlp, 0, 0, mlp, mlp, mlp, 1, mlp, mlp)  # never read: FULL is off
-    pad = lambda n: max(16, triton.next_power_of_2(max(n, 1)))  # noqa: E731 (tl.dot needs dims >= 16)
-    block_r = 16
-    _edge_logits_kernel[(B, triton.cdiv(N, block_r))](
-        tree.tokens.contiguous(), parents, depth, *stats, *emb_args, mlp, mlp.shape[1], l_edge, l_other,
-        N, D, E, H, float(weights.ln_eps),
-        PT=max(pt, 1), PT_PAD=pad(pt), PD=max(pd, 1), PD_PAD=pad(pd), PH=max(ph, 1), PH_PAD=pad(ph), F=F, M=M,
-        M_PAD=pad(M), FULL=full, BLOCK_R=block_r, BLOCK_K=64, num_warps=4)
-    _normalise_propagate_kernel[(B,)](parents, depth, l_edge, l_other, seg_max, seg_sum, edge_logq, other_logq,
-                                      log_reach, N, D, NORMALISE=True, BLOCK=128, num_warps=4)
+    c = edge_constexprs(pt, pd, ph, F, M, full)
+    _edge_logits_kernel[(B, triton.cdiv(N, c["BLOCK_R"]), 2)](
+        tree.tokens.contiguous(), parents, depth, *stats, *emb_args, mlp, mlp.shape[1], logits,
+        B, N, D, V, E, H, float(weights.ln_eps), **c, num_warps=EDGE_WARPS)
+    _normalise_propagate_kernel[(B,)](parents, depth, logits[0], logits[1], seg_max, seg_sum, edge_logq, other_logq,
+                                      log_reach, N, NORMALISE=True, BLOCK=NORM_BLOCK, num_warps=4)
     return edge_logq, other_logq, log_reach
 
 
-__all__ = ["score_edges_triton"]
+def _pad(n: int) -> int:
+    return max(16, triton.next_power_of_2(max(n, 1)))  # tl.dot needs dims >= 16
+
+
+def edge_constexprs(pt: int, pd: int, ph: int, F: int, M: int, full: bool) -> dict:
+    """Compile-time arguments of ``_edge_logits_kernel`` for a scorer of dims ``(Pt, Pd, Ph, F, M)``."""
+    return dict(PT=max(pt, 1), PT_PAD=_pad(pt), PD=max(pd, 1), PD_PAD=_pad(pd), PH=max(ph, 1), PH_PAD=_pad(ph), F=F,
+                M=M, M_PAD=_pad(M), FULL=full, BLOCK_R=EDGE_BLOCK_R, BLOCK_K=EDGE_BLOCK_K)
+
+
+def aot_configs():
+    """Launch configurations for ahead-of-time compile checks (format: ``bench/aot_resources.py``): the published
+    full (32/8/32, M=64) and tiny (M=32) scorers with bf16 and fp32 embeddings, and both propagation variants."""
+    out = []
+    for emb in ("*bf16", "*fp16", "*fp32"):
+        ptrs = {"tokens_ptr": "*i64", "parents_ptr": "*i32", "depth_ptr": "*i32", "emb_ptr": emb, "hid_ptr": emb}
+        out.append((_edge_logits_kernel, ptrs, edge_constexprs(32, 8, 32, 111, 64, True), ("eps",), EDGE_WARPS))
+    ptrs = {"tokens_ptr": "*i64", "parents_ptr": "*i32", "depth_ptr": "*i32"}
+    out.append((_edge_logits_kernel, ptrs, edge_constexprs(0, 0, 0, 7, 32, False), ("eps",), EDGE_WARPS))
+    for normalise in (True, False):
+        out.append((_normalise_propagate_kernel, {"parents_ptr": "*i32", "depth_ptr": "*i32", "seg_sum_ptr": "*i64"},
+                    dict(NORMALISE=normalise, BLOCK=NORM_BLOCK), (), 4))
+    return out
+
+
+__all__ = ["score_edges_triton", "aot_configs"]

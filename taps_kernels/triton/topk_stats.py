@@ -14,7 +14,14 @@ mapped to a signed integer of the same order, the low 32 bits are ``2**32-1-toke
 larger key is a larger logit, or an equal logit with a smaller id, so one ``max`` reduction
 gives the deterministic "ties to the smallest id" winner and the logit itself is recovered
 exactly from the key. ``-0.0`` is folded into ``+0.0`` first (they compare equal in the
-reference's sort). NaN logits are not supported.
+reference's sort).
+
+Non-finite logits. ``-inf`` is an impossible token, identical to the reference: probability 0,
+ranked after every finite logit (ties by id), log-prob ``-inf`` when it is among the top K; with no
+possible runner-up the margin is 0 (as for ``V = 1``). A row of
+only ``-inf`` gives NaN log-probs, margin and mass, entropy 0 and ids ``0..K-1``, as the reference
+does (the op refuses such rows on CPU). NaN and ``+inf`` logits are refused by the op layer on CPU
+tensors and give unspecified (memory-safe) results here.
 
 Tile top-K. The running set is unsorted; a tile is merged by repeatedly moving the tile's best
 key into the set's worst slot while it beats it. That loop runs at most ``KSEL`` times per tile
@@ -135,13 +142,15 @@ def _topk_merge_kernel(part_keys_ptr, part_stats_ptr, topk_logp_ptr, topk_ids_pt
     keep = slot < K
     tl.store(topk_logp_ptr + row.to(tl.int64) * K + slot, logp, mask=keep)
     tl.store(topk_ids_ptr + row.to(tl.int64) * K + slot, ids, mask=keep)
-    # H = -sum p log p = log S - T / S with p = exp(x - M) / S
-    tl.store(entropy_ptr + row, log_s - T / S)
+    # H = -sum p log p = log S - T / S with p = exp(x - M) / S; a row of only -inf logits (S = 0) has no
+    # distribution: NaN log-probs like the reference, whose nansum makes its entropy 0
+    tl.store(entropy_ptr + row, tl.where(S > 0, log_s - T / S, 0.0))
     tl.store(mass_ptr + row, tl.sum(tl.where(keep, tl.exp(logp), 0.0), 0))
     if HAS_SECOND:
         top1 = tl.sum(tl.where(slot == 0, logp, 0.0), 0)
         top2 = tl.sum(tl.where(slot == 1, logp, 0.0), 0)
-        tl.store(margin_ptr + row, top1 - top2)
+        margin = top1 - top2  # +inf when no runner-up is possible (every other logit -inf): 0, as for V = 1
+        tl.store(margin_ptr + row, tl.where(tl.abs(margin) == float("inf"), 0.0, margin))
     else:
         tl.store(margin_ptr + row, 0.0)
 
@@ -157,8 +166,8 @@ def topk_stats_triton(draft_logits: torch.Tensor, top_k: int, block_v: int = Non
     """Triton ``topk_stats``: same contract as :func:`taps_kernels.reference.topk_stats_reference`.
 
     Args:
-        draft_logits: ``[B, D, V]`` float32/float16/bfloat16 (math in float32); every row needs at
-            least one finite logit and no NaN.
+        draft_logits: ``[B, D, V]`` float32/float16/bfloat16 (math in float32); ``-inf`` entries are impossible
+            tokens (same result as the reference, see the module docstring); NaN and ``+inf`` are not supported.
         top_k: ``K = min(top_k, V)``.
         block_v: vocabulary tile (power of two, default 1024); tests shrink it to force many tiles.
         num_splits: programs per row (default: enough to fill the GPU; 2 under the interpreter).
