@@ -668,9 +668,11 @@ def main(args) -> int:
     reads_all = [x for r in rows for x in (r["reads"] or [])]
     record["one_line"] = (
         f"{'ok' if ok else 'FAILED'}: {sum(r['lossless'] for r in rows)}/{len(rows)} policies identical to ar "
-        f"({str(check_dtype or dtype).replace('torch.', '')}), host reads/round "
+        f"({str(check_dtype or dtype).replace('torch.', '')}"
+        + (f"; {sum(not r['exact_runs'] for r in rows)} not compared" if any(not r["exact_runs"] for r in rows) else "")
+        + "), host reads/round "
         f"{min(reads_all) if reads_all else '-'}..{max(reads_all) if reads_all else '-'}, kernel path "
-        f"{'full' if ran and all(r['kernel_path_full'] for r in ran) else 'partial'}"
+        f"{'not run' if not ran else 'full' if all(r['kernel_path_full'] for r in ran) else 'partial'}"
         + (f", errors: {', '.join(errors)}" if errors else "")
         + (f", {len(record['skipped'])} runs skipped (budget)" if record["skipped"] else ""))
     record["seconds"] = time.perf_counter() - t_start
@@ -707,7 +709,7 @@ def print_report(record, rows, table, batches, nodes, proj, device, dtype, check
         kp = ("FAILED: " + record["errors"][r["policy"]][:60] if r["policy"] in record["errors"] else
               "not run" if not r["ran"] else
               "full" if not r["reference_ops"] else "reference: " + ",".join(r["reference_ops"]))
-        print(f"{r['policy']:<10} {('yes' if r['lossless'] else 'NO'):>8} "
+        print(f"{r['policy']:<10} {('-' if not r['exact_runs'] else 'yes' if r['lossless'] else 'NO'):>8} "
               f"{('-' if r['timing_dtype_identical'] is None else 'yes' if r['timing_dtype_identical'] else 'differs'):>9} "
               f"{b1.get('rounds', 0):>6} {_fmt(b1.get('tau')):>5} {_fmt(b1.get('nodes_per_round'), '{:.1f}'):>6} "
               f"{_fmt(b1.get('round_ms_mean')):>8} " + " ".join(f"{_fmt(st.get(s), '{:.3f}'):>7}" for s in STAGES)
