@@ -131,3 +131,38 @@ def test_clean_turn():
     assert clean_turn("hi there") is None  # too short
     assert clean_turn("Tell me a story <|im_start|>assistant") is None
     assert clean_turn("word " * 400) is None
+
+
+def test_shard_format2_roundtrip_and_expected_counts(tmp_path):
+    """Generated results packed into a format-2 shard read back through ShardData: tokens, features,
+    kinds and the top-k rows of each response token; expected counts add the top-k probabilities."""
+    import json
+
+    from taps.training.data import _pack_shard
+    from taps.training.draft_vocab import expected_token_counts, response_token_counts
+    from taps.training.train import ShardData
+
+    model = tiny_target(2)
+    gen = LlamaGenerator(model, layer_ids=[1, 3])
+    prompts = _prompts()
+    res = gen.generate(prompts, 6, eos_id=-1, topk=4)
+    blob = _pack_shard(res, ["code", "chat", "chat", "write"], [0, 1, 2, 3], [1, 3], torch.float16, 4)
+    torch.save(blob, tmp_path / "shard_00000.pt")
+    (tmp_path / "meta.json").write_text(json.dumps({"layer_ids": [1, 3]}))
+    ds = ShardData(str(tmp_path))
+    assert len(ds) == 4 and ds.has_topk and blob["tokens"].dtype == torch.uint16
+    for k, r in enumerate(res):
+        toks, feats, pl = ds.get(k)
+        assert toks.tolist() == r.tokens and pl == r.prompt_len
+        assert torch.equal(feats, r.feats)
+        ti, tl = ds.get_topk(k, len(r.tokens))
+        assert torch.equal(ti, r.topk_ids) and torch.equal(tl, r.topk_logp.half().float())
+        ti3, _ = ds.get_topk(k, r.prompt_len + 3)  # cut sequences keep the rows of their tokens only
+        assert torch.equal(ti3, r.topk_ids[:3])
+    assert [ds.kind(k) for k in range(4)] == ["code", "chat", "chat", "write"]
+    raw = response_token_counts(str(tmp_path), 61)
+    assert int(raw.sum()) == sum(len(r.tokens) - r.prompt_len for r in res)
+    exp = expected_token_counts(str(tmp_path), 61)
+    mass = sum(float(r.topk_logp.half().float().exp().sum()) for r in res)
+    torch.testing.assert_close(exp.sum(), torch.tensor(float(raw.sum()) + mass, dtype=torch.float64),
+                               atol=1e-3, rtol=1e-6)

@@ -43,12 +43,12 @@ def _cmd_train(args):
 
 def _cmd_draft_vocab(args):
     from taps.models.drafter import load_drafter
-    from taps.training.draft_vocab import coverage_report, response_token_counts, select_draft_vocab
+    from taps.training.draft_vocab import coverage_report, expected_token_counts, select_draft_vocab
 
     holdout = _int_list(args.holdout_shards) or []
     drafter = load_drafter(args.drafter)
     V = drafter.config.vocab_size
-    counts = response_token_counts(args.data, V, exclude=holdout)
+    counts = expected_token_counts(args.data, V, exclude=holdout)
     ids = select_draft_vocab(counts, size=args.size, coverage=args.coverage, always=_int_list(args.always) or [])
     rep = coverage_report(args.data, ids, V, holdout)
     drafter.set_draft_vocab(ids)
@@ -67,11 +67,14 @@ def _cmd_draft_vocab(args):
 
 
 def _cmd_eval(args):
+    import torch
+
     from taps.training.evaluate import eval_drafter
 
     res = eval_drafter(args.drafter, args.data, target=args.target, shards=_int_list(args.shards),
                        max_seqs=args.max_seqs, anchors_per_seq=args.anchors_per_seq, seed=args.seed,
-                       out_json=args.out_json, threads=args.threads, use_draft_vocab=args.draft_vocab)
+                       out_json=args.out_json, threads=args.threads, use_draft_vocab=args.draft_vocab,
+                       dtype=getattr(torch, args.dtype))
     print(json.dumps(res, indent=1))
     return 0
 
@@ -140,7 +143,8 @@ def add_subcommands(subparsers):
                                                   "tokens of the data) beside a drafter")
     p.add_argument("--drafter", required=True, help="drafter dir: draft_vocab.safetensors + config are written there")
     p.add_argument("--data", required=True)
-    p.add_argument("--size", type=int, default=None, help="number of ids (default: the fewest covering --coverage)")
+    p.add_argument("--size", type=int, default=None,
+                   help="number of ids (default: the fewest covering --coverage of the expected counts)")
     p.add_argument("--coverage", type=float, default=0.99)
     p.add_argument("--always", default="0,1,2", help="comma list of ids always kept (special tokens)")
     p.add_argument("--holdout-shards", default="0", help="shards not counted (coverage is reported on them)")
@@ -159,6 +163,7 @@ def add_subcommands(subparsers):
     p.add_argument("--out-json", default=None)
     p.add_argument("--draft-vocab", action="store_true",
                    help="argmax over the drafter's draft vocabulary (as decoding proposes) instead of the full one")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="drafter body dtype")
     p.set_defaults(func=_cmd_eval)
     return subparsers
 

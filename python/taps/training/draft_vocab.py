@@ -8,6 +8,11 @@ decoding stays lossless because the target verifies every proposal.
 
 ``select_draft_vocab`` is deterministic (count descending, id ascending on
 ties) and always keeps the ids in ``always`` (end of turn, ...).
+
+With little data the raw counts leave most of the vocabulary tied at zero;
+``expected_token_counts`` adds the target's own probabilities from the stored
+top-k of every response position (the expected count of each id), which ranks
+the plausible-but-unseen tokens far better than the id order does.
 """
 from __future__ import annotations
 
@@ -35,6 +40,24 @@ def response_token_counts(data_dir: str, vocab_size: int, shards: Optional[Itera
     return counts
 
 
+def expected_token_counts(data_dir: str, vocab_size: int, shards: Optional[Iterable[int]] = None,
+                          exclude: Sequence[int] = ()) -> torch.Tensor:
+    """float64 ``[vocab_size]``: raw response counts plus, at every response position, the target's
+    probability of each of its stored top-k ids (format-2 shards; others add the raw counts only)."""
+    counts = response_token_counts(data_dir, vocab_size, shards, exclude).to(torch.float64)
+    want = None if shards is None else set(shards)
+    for p in sorted(Path(data_dir).glob("shard_*.pt")):
+        s = int(p.stem.split("_")[1])
+        if s in exclude or (want is not None and s not in want):
+            continue
+        b = torch.load(str(p), mmap=True, weights_only=True)
+        if "topk_ids" not in b:
+            continue
+        ids = b["topk_ids"].long().flatten().clamp(0, vocab_size - 1)
+        counts.index_add_(0, ids, b["topk_logp"].double().exp().flatten())
+    return counts
+
+
 def select_draft_vocab(counts: torch.Tensor, size: Optional[int] = None, coverage: float = 0.99,
                        min_size: int = 1024, always: Sequence[int] = ()) -> torch.Tensor:
     """Sorted int64 ids: the ``size`` most frequent ids, or (``size=None``) the fewest covering
@@ -45,9 +68,9 @@ def select_draft_vocab(counts: torch.Tensor, size: Optional[int] = None, coverag
     if not 0.0 < coverage <= 1.0:
         raise ValueError(f"coverage: expected a value in (0, 1], received {coverage}")
     # stable sort on -count keeps ascending ids among equal counts
-    order = torch.sort(-counts.to(torch.int64), stable=True).indices
+    order = torch.sort(-counts, stable=True).indices
     if size is None:
-        total = int(counts.sum())
+        total = float(counts.sum())
         if total == 0:
             raise ValueError("counts: all zero; no data to choose a draft vocabulary from")
         csum = counts[order].cumsum(0)

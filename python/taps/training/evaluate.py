@@ -16,7 +16,8 @@ Metrics:
   prompt families: ``code`` (the local code-prompt pipeline, every kind but chat) and ``chat`` (Magpie).
 
 ``use_draft_vocab``: the argmax runs over the drafter's draft vocabulary (what decoding proposes when
-one is set); default the full vocabulary.
+one is set); default the full vocabulary. ``dtype``: the drafter body's dtype (bf16 measures what a
+bf16 drafter proposes; the LM head stays in its own dtype).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from taps.training.train import ShardData, make_batch
 def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: Optional[List[int]] = None,
                  max_seqs: int = 96, anchors_per_seq: int = 16, seed: int = 1234, batch_size: int = 4,
                  out_json: Optional[str] = None, threads: Optional[int] = None, drafter=None, tmodel=None,
-                 use_draft_vocab: bool = False):
+                 use_draft_vocab: bool = False, dtype: torch.dtype = torch.float32):
     from tqdm import tqdm
 
     from taps.models.target import load_target
@@ -47,7 +48,7 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
     if tmodel is None:
         tmodel, _ = load_target(target)
     if drafter is None:
-        drafter = load_drafter(drafter_dir, target_config=tmodel.config)
+        drafter = load_drafter(drafter_dir, target_config=tmodel.config, dtype=dtype)
     else:
         check_compatible(drafter.config, tmodel.config)
     drafter.eval()
@@ -104,6 +105,7 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
         "code_kinds_tau": None,
         "family_tau": {},
         "draft_vocab": bool(use_draft_vocab),
+        "dtype": str(drafter.fc.weight.dtype).replace("torch.", ""),
         "seconds": round(time.time() - t0, 1),
     }
     code = [t for k in ("complete", "write", "continue") for t in by_kind.get(k, [])]
