@@ -39,8 +39,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from taps_kernels import Tree, custom_ops
+from taps_kernels import Tree
 
+from . import kernels
 from .policies.base import BuiltTree, TreePolicy
 from .sampling import SamplingConfig, choose_tokens, processed_probs
 from .stats import GenerationStats, RoundStats
@@ -380,14 +381,21 @@ class BatchDecoder:
         active = torch.tensor([r is not None for r in rows], dtype=torch.bool, device=dev)
         tree = slice_tree(Tree(*(t[:B] for t in (self._pending.tokens, self._pending.parents, self._pending.depth,
                                                    self._pending.num_nodes))), width)
+        # chains (a root alone, DFlash's argmax chain) need neither a tree mask on the sdpa path nor moves
+        chain = width == 1 or self.policy.chain_trees
         with timer("verify"):
-            logits, hidden_states = self.verifier.verify_batch(tree, B)
+            logits, hidden_states = self.verifier.verify_batch(tree, B, chain=chain)
             target_tokens = self._choose(logits, rows)
         if self.round_hook is not None:
             self.round_hook(self)
         P = min(width - 1, self._draft_positions) + 1 if self.drafter is not None else 1
         with timer("accept"):
-            path, accept_len, next_token = custom_ops.accept_greedy(tree, target_tokens, max_depth=P - 1)
+            if width == 1:
+                path = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+                accept_len = torch.ones(B, dtype=torch.int64, device=dev)
+                next_token = target_tokens[:, 0]
+            else:
+                path, accept_len, next_token = kernels.accept_greedy(tree, target_tokens, max_depth=P - 1)
             accept_len = torch.where(active, accept_len, torch.zeros_like(accept_len))
             path = torch.where(active[:, None] | (torch.arange(P, device=dev) == 0)[None, :], path,
                                torch.full_like(path, -1))
@@ -399,7 +407,7 @@ class BatchDecoder:
                                     torch.where(j == (accept_len - 1)[:, None], next_token[:, None],
                                                 torch.full_like(shifted, -1)))
         with timer("compaction"):
-            self.verifier.commit_batch(path, accept_len)
+            self.verifier.commit_batch(path, accept_len, moves=not chain)
         if self.drafter is not None:
             with timer("context"):
                 feats = self.verifier.gather_features(hidden_states, path)

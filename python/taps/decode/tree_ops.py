@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from taps_kernels import Tree
+from taps_kernels.backend import resolve
 from taps_kernels.reference.select import reindex_subtree_reference
 
 
@@ -49,10 +50,17 @@ def keep_nodes(tree: Tree, keep: torch.Tensor) -> Tree:
     key = torch.where(keep, idx[None, :], idx[None, :] + N)
     order = key.sort(dim=1).values
     pool_index = torch.where(order < N, order, torch.full_like(order, -1))
-    num_selected = keep.sum(1) - 1
-    tokens, parents, depth, num_nodes = reindex_subtree_reference(tree.tokens, tree.parents, tree.depth,
-                                                                  tree.num_nodes, pool_index, num_selected)
+    num_selected = (keep.sum(1) - 1).to(torch.int32)
+    tokens, parents, depth, num_nodes = _reindex(tree.device)(tree.tokens, tree.parents, tree.depth, tree.num_nodes,
+                                                              pool_index, num_selected)
     return Tree(tokens, parents, depth, num_nodes)
+
+
+def _reindex(device: torch.device):
+    # The library's re-index kernel for the device (C++ on CPU); the torch reference inside a compiled graph.
+    if torch.compiler.is_compiling():
+        return reindex_subtree_reference
+    return resolve("reindex_subtree", None, device)[1]
 
 
 def depth_mask(tree: Tree, depth_cap: Optional[torch.Tensor]) -> torch.Tensor:
@@ -86,9 +94,11 @@ def effective_reach(tree: Tree, log_reach: torch.Tensor, levels: Optional[int] =
 
 def rank_by_reach(tree: Tree, log_reach: torch.Tensor, levels: Optional[int] = None) -> torch.Tensor:
     """``[B, N] int64``: each non-root node's rank among the row's real non-root nodes by
-    ``(-effective reach, index)`` (0 = best); root and padding get ``N`` (never within a budget)."""
+    ``(-effective reach, index)`` (0 = best); root and padding get ``N`` (never within a budget).
+    ``levels=0``: ``log_reach`` is already non-increasing along every path (pool log-masses and scorer reach
+    are: each edge adds a log-probability <= 0), so the effective reach is the reach itself."""
     B, N = tree.tokens.shape
-    e = effective_reach(tree, log_reach, levels)
+    e = effective_reach(tree, log_reach, levels) if levels != 0 else log_reach.float()
     idx = torch.arange(N, device=tree.device)
     real = (idx[None, :] < tree.num_nodes[:, None]) & (idx[None, :] > 0)
     key = torch.where(real, -e, torch.full_like(e, float("inf")))

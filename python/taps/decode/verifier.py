@@ -28,8 +28,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from taps_kernels import Tree, custom_ops
+from taps_kernels import Tree
 from taps_kernels.integrations import transformers as taps_hf
+
+from . import kernels
 from taps_kernels.reference.attention import tree_visibility
 
 try:
@@ -222,7 +224,7 @@ class TargetVerifier:
         return out.logits[0, -1], feats
 
     @torch.inference_mode()
-    def verify_batch(self, tree: Tree, rows: Optional[int] = None):
+    def verify_batch(self, tree: Tree, rows: Optional[int] = None, chain: bool = False):
         """One target forward over the trees of rows ``[0, B)`` on top of their committed prefixes.
 
         Node ``i`` of row ``b`` gets position ``lengths[b] + depth[b, i]`` and sees row b's prefix plus its own
@@ -230,6 +232,8 @@ class TargetVerifier:
         Args:
             tree: :class:`Tree` ``[B, N]`` on the model's device (every row, padded to the batch's largest).
             rows: ``B`` (default ``tree.batch_size``); the host must know ``max(lengths[:B])``.
+            chain: every row's tree is a chain (node i at depth i; a root alone is one). On the sdpa path with
+                equal row lengths the forward then needs no tree mask (HF's causal one is the tree's).
         Returns:
             ``(logits [B, N, V], hidden_states or None)``. The cache lengths do not change: the tree rows sit
             past each length until :meth:`commit_batch`.
@@ -241,7 +245,11 @@ class TargetVerifier:
         kv_len = max(self.host_lengths[:B]) + N
         self.reserve(kv_len)
         prefix = self.lengths[:B]
-        position_ids, bits = custom_ops.tree_mask(tree, prefix)
+        causal = chain and self.attention == "sdpa" and len(set(self.host_lengths[:B])) == 1
+        if causal:
+            position_ids, bits = prefix[:, None] + torch.arange(N, device=self.device), None
+        else:
+            position_ids, bits = kernels.tree_mask(tree, prefix)
         self._rows, self._kv_len, self._past = B, kv_len, kv_len - N
         self._write_index = (prefix[:, None] + torch.arange(N, device=self.device))[:, None, :, None].expand(
             B, self.kv_heads, N, self.head_dim)
@@ -252,6 +260,8 @@ class TargetVerifier:
             meta = taps_hf.TreeAttentionMetadata(bits, prefix)
             with taps_hf.use_tree(meta):
                 out = self.model(**kwargs)
+        elif causal:
+            out = self.model(**kwargs)
         else:
             visible = tree_visibility(bits, prefix, kv_len)[:, None]
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
@@ -260,7 +270,7 @@ class TargetVerifier:
         return out.logits, (out.hidden_states if want_hidden else None)
 
     @torch.inference_mode()
-    def commit_batch(self, path: torch.Tensor, accept_len: torch.Tensor) -> None:
+    def commit_batch(self, path: torch.Tensor, accept_len: torch.Tensor, moves: bool = True) -> None:
         """Keep the accepted tree rows of rows ``[0, B)`` after their prefixes (ONE compact_kv call over every
         layer and row) and advance ``lengths`` by ``accept_len`` on the device.
 
@@ -268,9 +278,11 @@ class TargetVerifier:
             path: ``[B, P] int64`` accepted nodes (root first, -1 padded).
             accept_len: ``[B] int64`` tokens each row keeps (0 for rows that are not running: their path must
                 then be the root alone, which moves nothing).
+            moves: False when no row can need a move (chains: the accepted nodes are already contiguous).
         """
         B = path.shape[0]
-        custom_ops.compact_kv([k[:B] for k in self.keys], [v[:B] for v in self.values], self.lengths[:B], path)
+        if moves:
+            kernels.compact_kv([k[:B] for k in self.keys], [v[:B] for v in self.values], self.lengths[:B], path)
         self.lengths[:B] += accept_len
 
     # --- batch-1 interface (scorer traces, latency calibration) -------------------------------------------------

@@ -6,6 +6,7 @@ from .base import BuiltTree, PolicyError, TreePolicy, register_policy, root_only
 
 class AutoregressivePolicy(TreePolicy):
     uses_drafter = False
+    chain_trees = True
 
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         return BuiltTree(root_only_tree(bonus))

@@ -28,9 +28,17 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+import taps_kernels
 from taps_kernels import Tree
 
+from ..kernels import hot_kwargs
 from ..tree_ops import chain_tree, root_only_tree  # noqa: F401  (re-exported: policies build these)
+
+#: ``validate=`` for the public ops a policy calls inside a round (their inputs are the loop's own draft and
+#: trees; :mod:`taps.decode.kernels`)
+HOT_POOL = hot_kwargs(taps_kernels.candidate_pool)
+HOT_SCORE = hot_kwargs(taps_kernels.score_edges)
+HOT_SELECT = hot_kwargs(taps_kernels.select_subtree)
 
 
 class PolicyError(ValueError):
@@ -63,6 +71,7 @@ class TreePolicy:
         name: the spec string it was built from (``"ddtree:16"``), used in reports.
         uses_drafter: False for policies that verify the root alone (plain autoregressive decoding);
             the loop then never runs or even loads a drafter.
+        chain_trees: True when every tree is a chain (DFlash, AR).
 
     A policy never reads tensor values on the host inside :meth:`build` (the round's one host read is the
     loop's): host-side decisions (:meth:`wants_draft`) use what :meth:`observe` received from the previous
@@ -71,6 +80,9 @@ class TreePolicy:
 
     name: str = "base"
     uses_drafter: bool = True
+    #: every tree this policy builds is a chain (node i at depth i): the loop then skips KV moves (and, on the
+    #: sdpa path with equal row lengths, the tree mask)
+    chain_trees: bool = False
 
     def bind(self, target_model, drafter, device: torch.device) -> None:
         """Hook called once before decoding; policies with learned parts load or move them here."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import taps_kernels
 
 from ..tree_ops import truncate_depth
-from .base import NO_TIMER, BuiltTree, TreePolicy, parse_budget, register_policy
+from .base import HOT_POOL, NO_TIMER, BuiltTree, TreePolicy, parse_budget, register_policy
 
 #: ``--policy ddtree`` without a budget: the node budget (non-root nodes) per row. 8 sits between the best
 #: fixed budgets of the CPU benchmark (4 on HumanEval and MT-Bench, 8 within 4%:
@@ -26,7 +26,7 @@ class DDTreePolicy(TreePolicy):
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         timer = timer or NO_TIMER
         with timer("pool"):
-            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(),
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
                                                top_k=min(self.budget, draft_logits.shape[-1]),
                                                pool_size=self.budget)
             tree = pool.tree if depth_cap is None else truncate_depth(pool.tree, depth_cap)

@@ -13,7 +13,7 @@ from typing import Optional
 import taps_kernels
 
 from ..latency import get_table
-from .base import NO_TIMER, parse_budget, register_policy
+from .base import HOT_POOL, NO_TIMER, parse_budget, register_policy
 from .gate import GatedPolicy
 from .taps import DEFAULT_CAP
 
@@ -38,7 +38,7 @@ class CostAwareDDTreePolicy(GatedPolicy):
             raise RuntimeError(f"policy {self.name}: bind() was not called (the decoder calls it)")
         timer = timer or NO_TIMER
         with timer("pool"):
-            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(),
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
                                                top_k=min(self.max_nodes, draft_logits.shape[-1]),
                                                pool_size=self.max_nodes)
         with timer("selection"):

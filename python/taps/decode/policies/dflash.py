@@ -9,6 +9,8 @@ class DFlashPolicy(TreePolicy):
     """Chain ``bonus -> argmax q_1 -> ... -> argmax q_D`` per row (ties: the smallest token id), cut at the
     row's depth cap; ``N = D + 1`` columns."""
 
+    chain_trees = True
+
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         timer = timer or NO_TIMER
         with timer("selection"):

@@ -14,7 +14,7 @@ doubles after each losing probe up to ``max_skip`` and falls back to 1 once the 
 A drafted round's rate ratio is ``E / (t0 + overhead + latency[n])`` over ``1 / (latency[0] + t_context)``,
 ``E = 1 + sum of the reach of its n verified nodes`` (a learned, calibrated reach for ``taps``; the
 drafter's marginal product for ``ddtree-cost``, which underestimates acceptance and so gates more often),
-costs from the same measured latency table the throughput rule uses (:mod:`taps.scoring.latency`).
+costs from the same measured latency table the throughput rule uses (:mod:`taps.decode.latency`).
 
 Losslessness is untouched: a skipped round is a root-only tree, verified like any other.
 """
@@ -28,7 +28,7 @@ import torch
 import taps_kernels
 from taps_kernels import Tree
 
-from ..tree_ops import depth_mask, effective_reach, keep_top
+from ..tree_ops import depth_mask, keep_nodes, pad_tree, slice_tree
 from .base import BuiltTree, TreePolicy
 
 #: Longest run of plain rounds between two probes.
@@ -127,37 +127,53 @@ def batch_seconds(latency: dict, rows: int, n_total: int) -> List[float]:
     return out
 
 
-def joint_sizes(log_reach: torch.Tensor, table: torch.Tensor, plain_s: float, rows: int, max_nodes: int):
+def joint_sizes(log_reach: torch.Tensor, table: torch.Tensor, plain_s: float, rows: int, max_nodes: int,
+                return_order: bool = False):
     """The batch throughput rule: per-row tree sizes chosen jointly (definition: :class:`GatedPolicy`).
 
     Args:
-        log_reach: ``[B, N]`` effective log reach, root first; padding and nodes past a row's depth cap ``-inf``.
+        log_reach: ``[B, N]`` log reach, root first, non-increasing along paths; padding and nodes past a row's
+            depth cap ``-inf``.
         table: ``[L] float64`` seconds to verify the batch's roots plus ``n`` nodes in total (:func:`batch_table`).
         plain_s: seconds of a plain round of the batch.
         rows: running rows (the batch's plain round makes ``rows`` tokens).
         max_nodes: per-row cap.
+        return_order: also return each row's non-root nodes in rank order ``[B, N-1]`` (by ``(-reach, index)``:
+            the first ``sizes[b]`` are the row's tree).
     Returns:
-        ``(sizes [B] int64, expected [B] float32, total int64 scalar)``, all on the device: nodes kept per row,
-        ``1 + sum`` of their reach, and the batch's total. Ties go to the smaller tree, then the smaller row.
+        ``(sizes [B] int64, expected [B] float32, total int64 scalar[, order])``, all on the device: nodes kept
+        per row, ``1 + sum`` of their reach, and the batch's total. Ties go to the smaller tree, then the
+        smaller row.
     """
     B, N = log_reach.shape
-    cap = max(0, min(max_nodes, N - 1))
     dev = log_reach.device
+    cap = max(0, min(max_nodes, N - 1))
+    # one stable sort per row: rank order by (-reach, node index), as select_subtree's reach rule
+    neg, order = torch.sort(-log_reach[:, 1:].float(), dim=1, stable=True)
     if cap == 0:
         z = torch.zeros(B, dtype=torch.int64, device=dev)
-        return z, torch.ones(B, dtype=torch.float32, device=dev), z.sum()
-    per_row = log_reach[:, 1:].double().topk(cap, dim=1).values.exp()  # [B, cap], descending; -inf -> 0
+        out = (z, torch.ones(B, dtype=torch.float32, device=dev), z.sum())
+        return out + (order,) if return_order else out
+    per_row = (-neg[:, :cap]).double().exp()  # [B, cap] reach, descending; -inf -> 0
+    cost = (table[:table.numel()].to(dev) - table[0]) * (rows / plain_s)
+    if B == 1:
+        K = min(cap, table.numel() - 1)
+        mass = torch.cat([per_row.new_zeros(1, 1), per_row[:, :K].cumsum(1)], 1)
+        k = (mass[0] - cost[:K + 1]).argmax()  # first maximum: the smaller tree on ties
+        out = (k.view(1), (1.0 + mass[0, k]).float().view(1), k)
+        return out + (order,) if return_order else out
     flat = per_row.reshape(-1)
-    order = torch.sort(-flat, stable=True).indices  # row-major ties: lower row, then lower rank first
+    merged = torch.sort(-flat, stable=True).indices  # row-major ties: lower row, then lower rank first
     K = min(flat.numel(), table.numel() - 1)
-    order = order[:K]
-    gain = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)]) - rows * (table[:K + 1].to(dev) - table[0]) / plain_s
+    merged = merged[:K]
+    gain = torch.cat([flat.new_zeros(1), flat[merged].cumsum(0)]) - cost[:K + 1]
     k = gain.argmax()  # first maximum: the smaller batch tree on ties
     taken = (torch.arange(K, device=dev) < k).to(flat.dtype)
-    row_of = order // cap
+    row_of = merged // cap
     sizes = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, row_of, taken).to(torch.int64)
-    mass = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, row_of, taken * flat[order])
-    return sizes, (1.0 + mass).float(), k
+    mass = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, row_of, taken * flat[merged])
+    out = (sizes, (1.0 + mass).float(), k)
+    return out + (order,) if return_order else out
 
 
 class GatedPolicy(TreePolicy):
@@ -232,20 +248,23 @@ class GatedPolicy(TreePolicy):
 
     def _throughput_build(self, tree: Tree, log_reach: torch.Tensor, depth_cap: Optional[torch.Tensor],
                           levels: int, rows: Optional[int] = None) -> BuiltTree:
-        """Trees of the joint rule from a pool ``tree [B, N]`` and its ``log_reach [B, N]``: the library's
-        top-``max_nodes`` selection, then each row's ``n_b`` best (and the depth cap), ``N = max_nodes + 1``.
-        ``rows``: running rows (default B; rows with depth cap 0 claim no nodes)."""
+        """Trees of the joint rule from a pool ``tree [B, N]`` and its ``log_reach [B, N]`` (non-increasing along
+        paths, as pool log-masses and scorer reach are): each row's ``n_b`` best nodes by ``(-reach, index)``
+        (what :func:`taps_kernels.select_subtree`'s reach rule keeps for a budget of ``n_b``), within its depth
+        cap, re-indexed by the library's re-index kernel; ``N = max_nodes + 1`` columns. ``rows``: running rows
+        (default B; rows with depth cap 0 claim no nodes)."""
         B = tree.batch_size
         rows = B if rows is None else rows
-        e = effective_reach(tree, log_reach, levels)
-        if depth_cap is not None:
-            e = e.masked_fill(~depth_mask(tree, depth_cap), float("-inf"))
-            e[:, 0] = 0.0
-        sizes, expected, _ = joint_sizes(e, self._batch_table(rows, e.device), self._plain_s(rows), rows,
-                                         self._max_nodes)
-        sel = taps_kernels.select_subtree(tree, e, self._max_nodes, rule="reach")
-        e_sel = e.gather(1, sel.pool_index.clamp(min=0))
-        return BuiltTree(keep_top(sel.tree, e_sel, sizes, depth_cap, levels), expected, sizes)
+        ok = depth_mask(tree, depth_cap)
+        e = log_reach.float().masked_fill(~ok, float("-inf"))
+        e[:, 0] = 0.0
+        sizes, expected, _, order = joint_sizes(e, self._batch_table(rows, e.device), self._plain_s(rows), rows,
+                                                self._max_nodes, return_order=True)
+        N = tree.tokens.shape[1]
+        taken = torch.arange(N - 1, device=e.device)[None, :] < sizes[:, None]
+        keep = torch.cat([ok[:, :1], torch.zeros_like(taken).scatter_(1, order, taken)], 1) & ok
+        width = self._max_nodes + 1  # static: the same for every round of this policy
+        return BuiltTree(pad_tree(slice_tree(keep_nodes(tree, keep), min(N, width)), width), expected, sizes)
 
     def observe(self, expected, sizes, times) -> None:
         if self._latency is None:

@@ -36,7 +36,7 @@ import taps_kernels
 
 from ..latency import get_table
 from ..tree_ops import truncate_depth
-from .base import NO_TIMER, BuiltTree, PolicyError, parse_budget, register_policy
+from .base import HOT_POOL, HOT_SCORE, HOT_SELECT, NO_TIMER, BuiltTree, PolicyError, parse_budget, register_policy
 from .gate import GatedPolicy, OverheadTracker  # noqa: F401  (OverheadTracker: re-exported)
 from .scorer_io import load_scorer_weights
 
@@ -127,18 +127,20 @@ class TapsPolicy(GatedPolicy):
         timer = timer or NO_TIMER
         V, D = draft_logits.shape[-1], draft_logits.shape[1]
         with timer("pool"):
-            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(),
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
                                                top_k=min(self.top_k or 64, V), pool_size=self.pool_size)
         with timer("scoring"):
             hid = draft_hidden.float() if self.weights.full else None
-            _, _, log_reach = taps_kernels.score_edges(pool, self.weights, self.emb if self.weights.full else None, hid)
+            _, _, log_reach = taps_kernels.score_edges(pool, self.weights, self.emb if self.weights.full else None, hid,
+                                                      **HOT_SCORE)
         with timer("selection"):
             if self.rule == "reach":
                 return self._throughput_build(pool.tree, log_reach, depth_cap, D, rows)
             if self.rule == "fixed":
-                tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="reach").tree
+                tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="reach",
+                                                   **HOT_SELECT).tree
             else:
-                tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="utility",
+                tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="utility", **HOT_SELECT,
                                                    lambda_node=LAMBDA_NODE, lambda_depth=LAMBDA_DEPTH,
                                                    min_utility=self.min_utility).tree
             if depth_cap is not None:
