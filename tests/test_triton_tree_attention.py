@@ -72,8 +72,14 @@ def make_inputs(B, Hq, Hkv, N, Dh, prefix, dtype, seed, padded=True, spare=37):
     return q, k, v, bits, prefix_lens, parents, num_nodes
 
 
+def to_device(t, device):
+    """``t`` on ``device`` with the same strides (``Tensor.to`` would make a strided view contiguous)."""
+    base = t if t._base is None else t._base
+    return base.to(device).as_strided(t.size(), t.stride(), t.storage_offset())
+
+
 def run(device, q, k, v, bits, plen, **kw):
-    out, lse = tree_attention_triton(*(t.to(device) for t in (q, k, v, bits, plen)), **kw)
+    out, lse = tree_attention_triton(*(to_device(t, device) for t in (q, k, v, bits, plen)), **kw)
     return out.cpu(), lse.cpu()
 
 
@@ -323,7 +329,7 @@ def test_gpu_fp32_tiles_under_the_interpreter(device, monkeypatch):
 def test_public_op_scale_and_lse(device):
     q, k, v, bits, plen, _, _ = make_inputs(2, 4, 2, 20, 64, [10, 33], torch.float32, seed=9)
     want_out, want_lse = tree_attention_reference(q, k, v, bits, plen, 0.3)
-    out, lse = taps_kernels.tree_attention(*(t.to(device) for t in (q, k, v, bits, plen)), scale=0.3,
+    out, lse = taps_kernels.tree_attention(*(to_device(t, device) for t in (q, k, v, bits, plen)), scale=0.3,
                                            return_lse=True, backend="triton")
     torch.testing.assert_close(out.cpu(), want_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-5, rtol=1e-5)

@@ -24,11 +24,11 @@ Safety on any VALUES (nothing here reads tensor data on the host): ``prefix_lens
 q/k/v/bits. Shapes and dtypes are checked by the launcher.
 
 Non-finite values (the reference does the same): a row's output and lse are NaN when q, the scale or
-the k of a key it sees is NaN; a NaN in the v of a key it sees makes that output column NaN (±inf in
-v: non-finite). Keys a row does not see never affect it, tree keys included: tree tiles that hold a
-non-finite v take a slow exact path (finite values through ``tl.dot``, the non-finite entries added
-only to the rows that see them). A row with no visible key (possible only with malformed bits and
-prefix_len 0) gives output 0 and lse ``-inf``.
+the k of a key it sees is NaN; a NaN or ±inf in the v of a key it sees makes that output column NaN.
+Keys a row does not see never affect it, tree keys included: tree tiles keep non-finite v values out
+of ``tl.dot`` (where ``p = 0`` would still give ``0 * NaN``), and a separate pass, run only when a tree
+tile held one, marks the columns of the rows that see it. A row with no visible key (possible only
+with malformed bits and prefix_len 0) gives output 0 and lse ``-inf``.
 
 fp32 inputs use IEEE fp32 ``tl.dot`` (not TF32) so a GPU matches the fp32 reference.
 """
