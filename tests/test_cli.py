@@ -319,3 +319,26 @@ def test_bench_batch_size_alone_and_report(assets, batch_prompts, capsys, tmp_pa
                       (["--batch-sizes", "1,x"], "--batch-sizes: expected"), (["--batch-sizes", "0,2"], ">= 1")):
         rc, out, err = run_cli(capsys, "bench", "--prompts", batch_prompts, *argv, *common(assets))
         assert rc == 2 and msg in err and "Traceback" not in err, err
+
+
+def test_progress_plain_line_without_tqdm(monkeypatch):
+    """Without tqdm the progress is one self-overwriting stderr line; log lines stay whole; --quiet: no bar."""
+    import io
+    import sys
+
+    from taps.cli.bench_batch import Progress
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails as if not installed
+    s = io.StringIO()
+    bar = Progress(5, "he B=2 ar", "tok", enabled=True, stream=s)
+    bar.update(2)
+    bar.write("a log line")
+    bar.close()
+    text = s.getvalue()
+    assert "\rhe B=2 ar: 2/5 tok" in text and "a log line\n" in text
+    s = io.StringIO()
+    quiet = Progress(5, "he", enabled=False, stream=s)
+    quiet.update(3)
+    quiet.write("only this")
+    quiet.close()
+    assert s.getvalue() == "only this\n"

@@ -79,6 +79,8 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            if not (hasattr(self.stream, "isatty") and self.stream.isatty()):
+                self.stream.write("\n")  # a log file: the next line starts on its own line
         elif self.enabled and self.n:
             self.stream.write("\r\x1b[K")
             self.stream.flush()
