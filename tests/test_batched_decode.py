@@ -156,3 +156,50 @@ def test_bad_input_names_the_request(models):
         BatchDecoder(target, make_policy("ar"), max_batch=0)
     # nothing half-started: a good batch still runs
     assert [r.token_ids for r in dec.generate_batch([[1, 2]], 3)] == [hf_greedy(target, [1, 2], 3)]
+
+
+def test_tree_attention_reads_the_cache_buffers_in_place(models, monkeypatch):
+    """On the taps_tree path every layer's K/V reach tree_attention as strided views of the preallocated
+    buffers (same storage, no copy of a layer's cache)."""
+    from taps_kernels.integrations import transformers as taps_hf
+
+    target, drafter = models
+    dec = BatchDecoder(target, make_policy("ddtree:4"), drafter=drafter, max_batch=2, attention="taps_tree")
+    seen = []
+    real = taps_hf.custom_ops.tree_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr(), k.is_contiguous()))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(taps_hf.custom_ops, "tree_attention", spy)
+    dec.submit([1, 2, 3], 8)
+    dec.submit([4, 5, 6, 7, 8, 9, 10], 8)
+    dec.admit()
+    dec.step()
+    buffers = {t.untyped_storage().data_ptr() for t in dec.verifier.keys + dec.verifier.values}
+    assert len(seen) == target.config.num_hidden_layers
+    assert all(k in buffers and v in buffers for k, v, _ in seen)
+    assert not any(contiguous for _, _, contiguous in seen)  # a [:, :, :L] view of a longer buffer
+
+
+def test_decode_never_imports_scoring():
+    """Imports run one way: scoring (traces, training, evaluation) may import decode, never the reverse."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "python" / "taps" / "decode"
+    for f in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            for n in names:
+                assert not (n.startswith("taps.scoring") or n.lstrip(".").startswith("scoring")), (f, n)
+    code = ("import sys, taps.decode; from taps.decode.policies import available_policies; available_policies(); "
+            "bad = [m for m in sys.modules if m.startswith('taps.scoring')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
