@@ -134,11 +134,12 @@ class LlamaGenerator:
             kc[li][:, :, slot0:T] = k
             vc[li][:, :, slot0:T] = v.view(B, L, nkv, hd).transpose(1, 2)
             K, V = kc[li][:, :, :T], vc[li][:, :, :T]
-            # GQA without repeating K/V: query head g*rep+r uses kv head g
-            qg = q.view(B, nkv, rep, L, hd)
-            s = torch.matmul(qg, K[:, :, None].transpose(-1, -2)) * scale + bias  # [B,nkv,rep,L,T]
-            p = torch.softmax(s, -1)
-            o = torch.matmul(p, V[:, :, None]).view(B, nh, L, hd).transpose(1, 2).reshape(B, L, nh * hd)
+            # GQA without repeating K/V: query head g*rep+r uses kv head g; the rep query heads of a kv
+            # head are stacked as rows of one matmul (a broadcast K would be copied rep times per layer)
+            qg = q.reshape(B, nkv, rep * L, hd)
+            s = torch.matmul(qg, K.transpose(-1, -2)).view(B, nkv, rep, L, T) * scale + bias
+            p = torch.softmax(s, -1).view(B, nkv, rep * L, T)
+            o = torch.matmul(p, V).view(B, nh, L, hd).transpose(1, 2).reshape(B, L, nh * hd)
             x = x + F.linear(o.to(wo.dtype), wo).float()
             h = _rms(x, ln2, self.eps)
             g, u = F.linear(h.to(wgu.dtype), wgu).float().chunk(2, -1)
