@@ -6,8 +6,8 @@ Two launches, because the two halves have opposite shapes:
    the logit of its incoming edge (head 0) and, in a second program, the logit of its own "other"
    bucket (head 1): gathered projections (token slots, the hidden state at the child's position),
    the depth embedding, the 7 scalars, then LayerNorm + Linear + SiLU + Linear. One head per
-   program keeps half the projections live (255 registers for both heads at once; see
-   ``bench/results/triton_aot_resources.json``). The parent's token projection is recomputed by
+   program keeps half the projections live (with 16-wide K chunks and 8 warps: ~128 registers, no
+   spills, where both heads at once used 255; ``bench/results/triton_aot_resources.json``). The parent's token projection is recomputed by
    the child rather than read from another program, so nodes never wait on each other; the
    LayerNorm is applied slot by slot
    (``LN(x) @ W1^T = sum over slots of LN(x)[slot] @ W1[:, slot]^T``) so the 111-wide feature
@@ -32,8 +32,8 @@ from ..scorer_weights import OTHER_MASS_FLOOR, ScorerWeights
 
 OTHER_FLOOR = tl.constexpr(OTHER_MASS_FLOOR)
 EDGE_BLOCK_R = 16  # nodes per program (tl.dot needs >= 16 rows)
-EDGE_BLOCK_K = 16  # 64 made the FMA dot operands spill (255 registers); 16 keeps ~185
-EDGE_WARPS = 4
+EDGE_BLOCK_K = 16  # with 64 the fp32 FMA dot operands spilled at 255 registers
+EDGE_WARPS = 8  # ~128 registers per thread, no spills (4 warps: 186-254)
 NORM_BLOCK = 128
 
 
