@@ -203,3 +203,31 @@ def test_decode_never_imports_scoring():
     code = ("import sys, taps.decode; from taps.decode.policies import available_policies; available_policies(); "
             "bad = [m for m in sys.modules if m.startswith('taps.scoring')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_idle_rows_verify_a_root_alone(models):
+    """A row whose request ended sits idle inside later rounds' range: its pending tree is the root alone, and
+    every pending tree stays a valid tree of the width the next round verifies."""
+    target, drafter = models
+    dec = BatchDecoder(target, make_policy("ddtree:16"), drafter=drafter, max_batch=3)
+    # row 0 ends on a stop token (a token first seen a few steps in), long before its length limit
+    prompt0 = next(p for p in ([k, k + 7, 3] for k in range(V - 7))
+                   if any(t not in hf_greedy(target, p, 20)[:i] for i, t in enumerate(hf_greedy(target, p, 20))
+                          if 3 <= i < 10))
+    full = hf_greedy(target, prompt0, 20)
+    stop = next(t for i, t in enumerate(full) if 3 <= i < 10 and t not in full[:i])
+    reqs = [Request(prompt0, 20, (stop,)), Request([4, 5], 30), Request([6], 3)]
+    ids = [dec.submit(r) for r in reqs]
+    dec.admit()
+    seen_idle = False
+    while dec.running:
+        dec.step()
+        dec._pending.validate()
+        for b, row in enumerate(dec._rows):
+            if row is None and b < max(dec.running, default=-1):
+                seen_idle = True
+                assert dec._pending.num_nodes[b].item() == 1 and dec.verifier.host_lengths[b] == 0
+    assert seen_idle
+    results = dec._results
+    for i, r in zip(ids, reqs):
+        assert results[i].token_ids == hf_greedy(target, r.prompt_ids, r.max_new_tokens, r.stop_token_ids or ())

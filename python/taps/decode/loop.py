@@ -322,6 +322,12 @@ class BatchDecoder:
         if self.drafter is not None:
             self.drafter.reset_row(self._state, b)
         self._remaining[b] = 0
+        # an idle row inside a later round's range verifies a root alone (never a stale, wider tree)
+        pend = self._pending
+        pend.tokens[b] = 0
+        pend.parents[b] = -1
+        pend.depth[b] = 0
+        pend.num_nodes[b] = 1
 
     # --- one round ---------------------------------------------------------------------------------------------
 
