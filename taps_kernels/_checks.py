@@ -110,14 +110,15 @@ def check_nonempty(name: str, value: torch.Tensor, dims: Sequence[Tuple[int, str
                              f"{tuple(value.shape)}")
 
 
-def storage_span(t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
-    """``(storage base address, first byte, one past the last byte)`` of the elements ``t`` can reach; None if empty."""
+def storage_span(t: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``(first byte address, one past the last byte address)`` of the elements ``t`` can reach; None if empty.
+
+    Absolute addresses: two tensors over the same memory overlap whichever storage objects they came from.
+    """
     if t.numel() == 0:
         return None
-    es = t.element_size()
     extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    start = t.storage_offset() * es
-    return t.untyped_storage().data_ptr(), start, start + (extent + 1) * es
+    return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
@@ -148,14 +149,15 @@ def check_writable_disjoint(named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         span = storage_span(t)
         if span is None:
             continue
-        for other_name, other_t, other in spans:
-            if other[0] == span[0] and span[1] < other[2] and other[1] < span[2]:
-                if other_t.data_ptr() == t.data_ptr() and other_t.shape == t.shape and other_t.stride() == t.stride():
+        for other_name, other in spans:
+            if span[0] < other[1] and other[0] < span[1]:
+                if span == other:
                     raise ValueError(f"{other_name} and {name}: the same tensor appears more than once; list each "
                                      f"cache tensor once")
-                raise ValueError(f"{other_name} and {name}: their memory overlaps (bytes [{other[1]}, {other[2]}) and "
-                                 f"[{span[1]}, {span[2]}) of one storage); every cache tensor must have its own memory")
-        spans.append((name, t, span))
+                raise ValueError(f"{other_name} and {name}: their memory overlaps (byte spans [{other[0]:#x}, "
+                                 f"{other[1]:#x}) and [{span[0]:#x}, {span[1]:#x})); every cache tensor must have its "
+                                 f"own memory")
+        spans.append((name, span))
 
 
 def grad_needed(tensors: Iterable[Optional[torch.Tensor]]) -> Optional[int]:
@@ -327,6 +329,21 @@ def check_log_values(name: str, values: torch.Tensor, what: str = "log-probabili
     bad = values.isnan() | torch.isposinf(values)
     idx = first_index(bad)
     raise ValueError(f"{name}{_at(idx)}: expected a {what} (finite or -inf), received {float(values[idx])}")
+
+
+FEATURE_LIMIT = 1e15
+"""Largest magnitude of a scorer input feature: the float32 LayerNorm squares and sums ~100 of them."""
+
+
+def check_feature_values(name: str, values: torch.Tensor) -> None:
+    """Scorer inputs: finite, with magnitude at most :data:`FEATURE_LIMIT`."""
+    if values.numel() == 0:
+        return
+    bad = ~(values.abs() <= FEATURE_LIMIT)  # also NaN
+    if bool(bad.any()):
+        idx = first_index(bad)
+        raise ValueError(f"{name}{_at(idx)}: expected a finite scorer feature within +-{FEATURE_LIMIT:g}, received "
+                         f"{float(values[idx])}")
 
 
 def check_no_nan(name: str, values: torch.Tensor) -> None:

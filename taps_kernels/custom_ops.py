@@ -39,8 +39,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._checks import (MAX_COUNT, FLOAT_DTYPES, check_float, check_int, check_not_grad_tracked, check_prefix_lens,
-                      check_tensor)
+from ._checks import (MAX_COUNT, FLOAT_DTYPES, check_float, check_int, check_not_grad_tracked, check_output_size,
+                      check_prefix_lens, check_tensor)
 from .backend import resolve
 from .layout import Tree, validate_tree
 from .ops.attention import check_tree_attention_args
@@ -55,8 +55,8 @@ def _impl(op: str, device: torch.device):
 
 
 def _on_cpu(t: Tensor) -> bool:
-    """Value checks run on CPU tensors only (see the module docstring)."""
-    return t.device.type == "cpu"
+    """Value checks run on CPU tensors only (see the module docstring); a non-tensor fails its metadata check."""
+    return isinstance(t, Tensor) and t.device.type == "cpu"
 
 
 def _check_tree_tensors(tokens: Optional[Tensor], parents: Tensor, depth: Optional[Tensor], num_nodes: Tensor,
@@ -93,6 +93,7 @@ def _depth_of(parents: Tensor, num_nodes: Tensor) -> Tensor:
 # --- taps::tree_mask ----------------------------------------------------------------------------------------------
 
 def _check_tree_mask(parents, depth, num_nodes, prefix_lens, check_values: bool) -> Tuple[int, int]:
+    check_tensor("depth", depth, dtypes=(torch.int32,), ndim=2)
     B, N = _check_tree_tensors(None, parents, depth, num_nodes, check_values)
     check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64,), shape=(B,), device=parents.device)
     if check_values:
@@ -123,9 +124,11 @@ def _tree_mask_fake(parents, depth, num_nodes, prefix_lens):
 # --- taps::accept_greedy ------------------------------------------------------------------------------------------
 
 def _check_accept(tokens, parents, num_nodes, target_tokens, path_len, check_values: bool) -> int:
+    check_tensor("tokens", tokens, dtypes=(torch.int64,), ndim=2)
     B, N = _check_tree_tensors(tokens, parents, None, num_nodes, check_values)
     check_tensor("target_tokens", target_tokens, dtypes=(torch.int64,), shape=(B, N), device=parents.device)
     check_int("path_len", path_len, minimum=1, maximum=MAX_COUNT)
+    check_output_size("path_len", path_len, B * path_len * 8, parents.device)
     return B
 
 
@@ -185,7 +188,7 @@ def tree_attention_op(q: Tensor, k: Tensor, v: Tensor, ancestor_bits: Tensor, pr
         check_float("scale", scale)
     if B == 0 or N == 0:
         return q.new_empty(q.shape).contiguous(), q.new_empty((B, Hq, N), dtype=torch.float32)
-    out, lse = _impl("tree_attention", q.device)(q, k, v, ancestor_bits, prefix_lens, scale)
+    out, lse = _impl("tree_attention", q.device)(q, k, v, ancestor_bits.contiguous(), prefix_lens.contiguous(), scale)
     return out, lse
 
 

@@ -59,9 +59,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ancestor_b
     Differentiable through the reference backend only: when q, k or v requires grad, ``backend=None`` runs the
     reference and another explicit backend is refused.
     """
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
+    check_data_device("q", q)
     B, Hq, N, Dh, L = check_tree_attention_args(q, k, v, ancestor_bits, prefix_lens,
                                                 check_values=values_checked(validate, q.device))
-    check_data_device("q", q)
     if scale is not None:
         scale = check_float("scale", scale)
     backend = differentiable_backend("tree_attention", backend, [("q", q), ("k", k), ("v", v)])

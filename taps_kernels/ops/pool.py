@@ -33,7 +33,7 @@ def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = 
     Returns:
         :class:`TopKStats` with ``topk_logp [B,D,K] f32`` (log-softmax values, descending, ties to the
         smallest token id), ``topk_ids [B,D,K] int64``, ``entropy [B,D] f32`` (nats),
-        ``margin [B,D] f32`` (top1 - top2 log-prob), ``topk_mass [B,D] f32``.
+        ``margin [B,D] f32`` (top1 - top2 log-prob; 0 when no second token is possible), ``topk_mass [B,D] f32``.
     Differentiable through the reference backend only: when ``draft_logits`` requires grad, ``backend=None``
     runs the reference and another explicit backend is refused.
     """
@@ -44,7 +44,11 @@ def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = 
     if values_checked(validate, draft_logits.device):
         check_finite_logits("draft_logits", draft_logits)
     _, fn = resolve("topk_stats", backend, draft_logits.device)
-    return TopKStats(*fn(draft_logits, min(top_k, V)))
+    topk_logp, topk_ids, entropy, margin, topk_mass = fn(draft_logits, min(top_k, V))
+    # No possible runner-up (V = 1, or every other token -inf): margin 0 on every backend, never +inf (the
+    # scorer's LayerNorm would turn an infinite feature into NaN).
+    margin = torch.where(torch.isinf(margin), torch.zeros_like(margin), margin)
+    return TopKStats(topk_logp, topk_ids, entropy, margin, topk_mass)
 
 
 _POOL_ROW_BYTES = 8 + 4 + 4 + 4 + 4 + 4  # tokens, parents, depth, logq, step_logq, rank per node
@@ -62,6 +66,8 @@ def best_first_pool(stats: TopKStats, root_tokens: torch.Tensor, pool_size: int,
         validate: value checks, as in :func:`topk_stats`.
     Returns ``(Tree, logq, step_logq, rank)``; ``N = pool_size + 1`` rows, nodes in pop order
     (non-increasing ``logq``, a valid topological order). Ties: smaller parent index, then smaller rank.
+    A candidate of log mass ``-inf`` (an impossible token on its path) is popped after every possible one, as a
+    real node with ``logq = -inf``.
     No backward: a ``topk_logp`` that requires grad (grad mode on) is refused.
     """
     if not isinstance(stats, TopKStats):

@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
-from .._checks import (FLOAT_DTYPES, check_data_device, check_log_values, check_no_nan, check_nonempty, check_tensor,
-                       differentiable_backend, first_index, values_checked)
+from .._checks import (FEATURE_LIMIT, FLOAT_DTYPES, check_data_device, check_feature_values, check_log_values, check_no_nan,
+                       check_nonempty, check_tensor, differentiable_backend, first_index, values_checked)
 from ..backend import resolve
 from ..layout import CandidatePool, validate_tree
 from ..scorer_weights import ScorerWeights
@@ -30,9 +30,12 @@ def score_edges(pool: CandidatePool, weights: Optional[ScorerWeights], token_emb
         validate: value checks (tree structure, token range, non-finite pool values): ``"auto"`` (default, or
             ``TAPS_VALIDATE``) on CPU tensors only, ``"full"`` on any device, ``"none"`` never
             (:mod:`taps_kernels._checks`).
-    ``B, D >= 1`` (checked before any backend runs). Non-finite values: ``pool.logq``/``pool.step_logq`` of real
-    non-root nodes are log-probabilities (finite or -inf; NaN and +inf refused), the per-position statistics
-    must not be NaN. A node deeper than ``D`` reads position ``D - 1`` (clamped) on every backend.
+    ``B, D >= 1`` (checked before any backend runs). Non-finite values: without a scorer, ``pool.logq`` and
+    ``pool.step_logq`` of real non-root nodes are log-probabilities (finite or -inf; NaN and +inf refused) and the
+    per-position statistics must not be NaN; with a scorer they are features, so they must be finite and within
+    ``+-1e15`` (the LayerNorm squares them in float32); the pools of :func:`candidate_pool` always are. The
+    weights, embeddings and hidden states are trusted to be finite. A node deeper than ``D`` reads position
+    ``D - 1`` (clamped) on every backend.
     Differentiable through the reference backend only: when a pool tensor, a weight or an embedding requires
     grad, ``backend=None`` runs the reference and another explicit backend is refused.
     Returns:
@@ -59,10 +62,16 @@ def score_edges(pool: CandidatePool, weights: Optional[ScorerWeights], token_emb
     if check:
         edge = tree.parents >= 0
         for name in ("logq", "step_logq"):
-            t = getattr(pool, name)
-            check_log_values(f"pool.{name}", torch.where(edge, t, torch.zeros_like(t)))
+            t = torch.where(edge, getattr(pool, name), torch.zeros_like(getattr(pool, name)))
+            if weights is None:
+                check_log_values(f"pool.{name}", t)
+            else:
+                check_feature_values(f"pool.{name}", t)
         for name in ("entropy", "margin", "topk_mass"):
-            check_no_nan(f"pool.{name}", getattr(pool, name))
+            if weights is None:
+                check_no_nan(f"pool.{name}", getattr(pool, name))
+            else:
+                check_feature_values(f"pool.{name}", getattr(pool, name))
     if weights is not None:
         if not isinstance(weights, ScorerWeights):
             raise TypeError(f"weights: expected taps_kernels.ScorerWeights or None, received {type(weights).__name__}")
@@ -77,6 +86,15 @@ def score_edges(pool: CandidatePool, weights: Optional[ScorerWeights], token_emb
                     b, i = first_index(bad)
                     raise ValueError(f"pool.tree.tokens[{b},{i}]: token {int(tree.tokens[b, i])} is outside "
                                      f"token_embeddings' {V} rows")
+                # features too: the hidden states, and the embedding rows the pool reads (not the whole table)
+                check_feature_values("drafter_hidden", drafter_hidden)
+                used = token_embeddings[tree.tokens.flatten()]
+                bad_rows = ~(used.abs() <= FEATURE_LIMIT).all(-1)
+                if bool(bad_rows.any()):
+                    (r,) = first_index(bad_rows)
+                    t = int(tree.tokens.flatten()[r])
+                    raise ValueError(f"token_embeddings[{t}]: expected finite features within +-{FEATURE_LIMIT:g} "
+                                     f"(row of pool.tree.tokens[{r // N},{r % N}])")
         else:
             weights.validate()
         wdev = {t.device for t in weights.tensors().values()}

@@ -130,6 +130,7 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
                 raise TypeError(f"latency: expected a 1-D table of seconds (tensor or sequence of floats), received "
                                 f"{type(latency).__name__} ({exc})") from None
         check_tensor("latency", latency, dtypes=FLOAT_DTYPES + (torch.float64,), ndim=1)
+        check_data_device("latency", latency)
         if latency.numel() < 1:
             raise ValueError("latency: expected a non-empty 1-D table of seconds, received shape (0,)")
         if rule != "reach":
