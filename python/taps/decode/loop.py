@@ -199,6 +199,7 @@ class BatchDecoder:
         self._rows = [None] * self.max_batch
         self._queue, self._results = [], {}
         self._pending = root_only_tree(torch.zeros(self.max_batch, dtype=torch.int64, device=self.device))
+        self._pending_nodes = [1] * self.max_batch  # host: real nodes of each row's pending tree
         self._remaining.zero_()
         self.policy.reset()
 
@@ -296,6 +297,7 @@ class BatchDecoder:
         n = int(built.tree.num_nodes[0])  # admission reads freely: it is not a round
         self._set_pending_row(b, built.tree)
         row.next_nodes, row.next_drafted, row.next_times = n, drafted, timer.seconds()
+        self._pending_nodes[b] = n
         if drafted and built.expected is not None:
             self.policy.observe(built.expected.tolist(), built.sizes.tolist(), row.next_times)
 
@@ -328,6 +330,7 @@ class BatchDecoder:
         pend.parents[b] = -1
         pend.depth[b] = 0
         pend.num_nodes[b] = 1
+        self._pending_nodes[b] = 1
 
     # --- one round ---------------------------------------------------------------------------------------------
 
@@ -361,7 +364,8 @@ class BatchDecoder:
             raise RuntimeError("step: no request is running; submit() and admit() first")
         B = busy[-1] + 1
         rows = self._rows[:B]
-        width = self._pending.tokens.shape[1] if self.static_shapes else max(r.next_nodes for r in rows if r)
+        # the batch's largest pending tree, idle rows included (the read reported every row's node count)
+        width = self._pending.tokens.shape[1] if self.static_shapes else max(self._pending_nodes[:B])
         # between rounds, host side: room for this round's tree in every running row (never inside a round)
         self.verifier.reserve(max(self.verifier.host_lengths[:B]) + width + 1)
         snap = (self.verifier.lengths.clone(), self._remaining.clone(), self._bonus.clone(), self._pending,
@@ -455,6 +459,8 @@ class BatchDecoder:
             row.stats.rounds.append(r)
             out[row.rid] = r
             row.next_nodes, row.next_drafted, row.next_times = host[b][P + 1], drafted, dict(build_times)
+        for b in range(B):
+            self._pending_nodes[b] = host[b][P + 1]
         self.verifier.set_host_lengths(new_lengths)
         if self._state is not None:
             self._state.set_host_lengths(new_lengths)
