@@ -115,8 +115,8 @@ def make(spec):
     return make_policy(spec)
 
 
-@pytest.mark.parametrize("inject", [False, True], ids=["loop", "injected-read"])
-@pytest.mark.parametrize("spec", ["dflash", "ddtree:8", "taps"])
+@pytest.mark.parametrize("spec,inject", [("dflash", False), ("ddtree:8", False), ("taps", False), ("ddtree:8", True)],
+                         ids=["dflash", "ddtree:8", "taps", "ddtree:8-injected-read"])
 def test_one_host_read_per_round(counter, spec, inject):
     target, drafter = tiny_target(0, vocab=V, layers=4), tiny_drafter(0, vocab=V, target_layers=4)
     dec = BatchDecoder(target, make(spec), drafter=drafter, max_batch=3, attention="taps_tree")
