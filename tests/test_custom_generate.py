@@ -17,15 +17,13 @@ POLICIES = ["ar", "dflash", "ddtree:8", "taps"]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """A random scorer and a synthetic latency table behind the taps policy's env vars (no calibration)."""
+    """A random scorer (passed as ``taps_scorer``) and a synthetic latency table (no calibration)."""
     d = tmp_path_factory.mktemp("hf")
     save_scorer(d / "scorer", random_scorer(False), meta={})
     save_table({"latency": [0.05 + 0.004 * n for n in range(129)], "t0": 0.02, "machine": "t", "model": "t"},
                d / "lat.json")
     mp = pytest.MonkeyPatch()
-    mp.setenv("TAPS_SCORER", str(d / "scorer"))
     mp.setenv("TAPS_LATENCY", str(d / "lat.json"))
-    mp.setenv("TAPS_POOL_SIZE", "24")
     yield d
     mp.undo()
 
@@ -46,7 +44,8 @@ def test_greedy_tokens_equal_plain_generate(env, models, policy):
     for prompt, n in (([5, 9, 17, 3], 20), ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 13)):
         inp = torch.tensor([prompt])
         out = custom(target, inp, attention_mask=torch.ones_like(inp), drafter=drafter, taps_policy=policy,
-                     max_new_tokens=n, do_sample=False, pad_token_id=0)
+                     taps_scorer=str(env / "scorer"), taps_pool_size=24, max_new_tokens=n, do_sample=False,
+                     pad_token_id=0)
         assert out.shape == (1, len(prompt) + n)
         assert out[0, :len(prompt)].tolist() == prompt
         assert out[0, len(prompt):].tolist() == hf_greedy(target, prompt, n)

@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from taps.decode import SpeculativeDecoder, make_policy
+from taps.decode.policies import PolicyError, policy_options
 from taps.decode.policies import Stopwatch, available_policies
 from taps.decode.policies.taps import TapsPolicy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
@@ -46,19 +47,24 @@ def scorer(tiny, seed=3):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """Scorer dirs and a synthetic latency table (steep in n, like a CPU) behind the policies' env vars."""
+    """Scorer dirs and a synthetic latency table (steep in n, like a CPU); scorers and pool size are passed to
+    the policies as options (:func:`policy`), the latency table through the calibration cache's variable."""
     d = tmp_path_factory.mktemp("taps")
     save_scorer(d / "full", scorer(False), meta={})
     save_scorer(d / "tiny", scorer(True), meta={})
     table = {"latency": [0.05 + 0.004 * n for n in range(129)], "t0": 0.02, "machine": "test", "model": "test"}
     save_table(table, d / "lat.json")
     mp = pytest.MonkeyPatch()
-    mp.setenv("TAPS_SCORER", str(d / "full"))
-    mp.setenv("TAPS_SCORER_TINY", str(d / "tiny"))
     mp.setenv("TAPS_LATENCY", str(d / "lat.json"))
-    mp.setenv("TAPS_POOL_SIZE", "24")
     yield d
     mp.undo()
+
+
+def policy(spec, d):
+    """``make_policy(spec)`` with the test scorer (full or tiny) and a 24-node pool for the taps* policies."""
+    if "scorer" not in policy_options(spec):
+        return make_policy(spec)
+    return make_policy(spec, scorer=d / ("tiny" if spec.startswith("taps-tiny") else "full"), pool_size=24)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +96,7 @@ def check_tree(tree, cap, bonus, b=0):
 @pytest.mark.parametrize("spec", SPECS)
 def test_trees_within_budget_and_prefix_closed(env, models, spec):
     target, drafter = models
-    pol = make_policy(spec)
+    pol = policy(spec, env)
     pol.bind(target, drafter, torch.device("cpu"))
     cap = int(spec.split(":")[1]) if ":" in spec else 64
     g = torch.Generator().manual_seed(0)
@@ -146,7 +152,7 @@ def hf_greedy(model, prompt, max_new_tokens):
 def test_lossless_vs_hf_generate(env, models, spec):
     target, drafter = models
     rng = random.Random(5)
-    dec = SpeculativeDecoder(target, make_policy(spec), drafter=drafter)
+    dec = SpeculativeDecoder(target, policy(spec, env), drafter=drafter)
     for _ in range(3):
         prompt = [rng.randrange(V) for _ in range(rng.randint(2, 15))]
         max_new = rng.randint(5, 20)
@@ -155,7 +161,18 @@ def test_lossless_vs_hf_generate(env, models, spec):
 
 
 def test_missing_scorer_dir_is_named(tmp_path, models, monkeypatch):
-    monkeypatch.setenv("TAPS_SCORER", str(tmp_path / "nope"))
+    missing = tmp_path / "nope"
     target, drafter = models
     with pytest.raises(FileNotFoundError, match="nope"):
-        SpeculativeDecoder(target, make_policy("taps-paper"), drafter=drafter)
+        SpeculativeDecoder(target, make_policy("taps-paper", scorer=missing), drafter=drafter)
+
+
+def test_policy_options_are_explicit():
+    # The scorer and the pool size are arguments, not environment switches; policies refuse options they lack.
+    assert policy_options("taps:8") == ("scorer", "pool_size") and policy_options("ddtree:8") == ()
+    assert make_policy("taps-fixed:4", pool_size=40).pool_size == 40
+    assert make_policy("taps-fixed:4").pool_size == 128
+    with pytest.raises(PolicyError, match="ddtree: unknown option.*scorer.*accepts: none"):
+        make_policy("ddtree:8", scorer="x")
+    with pytest.raises(PolicyError, match="unknown option.*pool_sizes"):
+        make_policy("taps", pool_sizes=3)

@@ -35,7 +35,8 @@ from typing import Callable, Dict, List, Optional
 from .bench_batch import (Progress, add_speedups, batch_row, format_batch_table, latency_note, make_batch_decoder,
                           mark_identical, parse_batch_sizes, rotated, row_from_single, run_batch)
 from .common import (CLIError, add_model_flags, add_sampling_flags, drafter_dir_cli, hf_generate_item,
-                     load_drafter_cli, load_target_cli, parse_policies, positive_int, quiet_warnings, run_item,
+                     load_drafter_cli, load_target_cli, parse_policies, policy_from_args, positive_int, quiet_warnings,
+                     run_item,
                      sampling_from_args, setup_torch, stop_token_ids)
 
 BUDGETS = (4, 8, 16, 32, 64, 128)
@@ -90,16 +91,16 @@ def add_suite_subcommand(sub) -> None:
     p.set_defaults(func=run, deprecated_alias="bench-suite")
 
 
-def build_decoders(model, tok, drafter, specs: List[str], sampling):
+def build_decoders(model, tok, drafter, specs: List[str], sampling, args=None):
+    """One batch-1 decoder per policy spec; ``args`` carries the policies' options (``--scorer``, ``--pool-size``)."""
     from taps.decode import SpeculativeDecoder
-    from taps.decode.policies import make_policy
 
     stops = stop_token_ids(tok, model)
     decoders = {}
     for s in specs:
         try:
             # bind() runs here: a policy whose learned parts (scorer, latency table) are missing fails now
-            decoders[s] = SpeculativeDecoder(model, make_policy(s), drafter=drafter, sampling=sampling,
+            decoders[s] = SpeculativeDecoder(model, policy_from_args(s, args), drafter=drafter, sampling=sampling,
                                              stop_token_ids=stops)
         except (FileNotFoundError, ValueError, KeyError, OSError) as e:
             raise CLIError(f"policy {s}: {str(e).strip().splitlines()[0]}") from None
@@ -224,11 +225,12 @@ def _summarize(results):
 
 
 def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log, on_partial=None,
-               hf_baseline=False, on_record=None):
+               hf_baseline=False, on_record=None, args=None):
     """Run ``items`` x ``specs``; after every prompt (all policies) ``on_partial(summary, prompts_done)`` is
     called, so a run cut short still leaves a valid JSON of the prompts completed. ``hf_baseline``: also
-    time HF ``generate`` on every prompt (policy ``"hf"``); ``on_record(record)`` sees every record."""
-    decoders = build_decoders(model, tok, drafter, specs, sampling)
+    time HF ``generate`` on every prompt (policy ``"hf"``); ``on_record(record)`` sees every record;
+    ``args`` carries the policies' options (``--scorer``, ``--pool-size``)."""
+    decoders = build_decoders(model, tok, drafter, specs, sampling, args)
     partial = {s: [] for s in specs + (["hf"] if hf_baseline else [])}
 
     def show(rec):
@@ -306,7 +308,6 @@ def run(args) -> int:
     import torch
 
     from taps.decode import SamplingConfig
-    from taps.decode.policies import make_policy
     from taps.paths import portable_path
 
     quiet_warnings()
@@ -321,7 +322,7 @@ def run(args) -> int:
     sampling = sampling_from_args(args)
     datasets = _items(args)
     setup_torch(args)
-    need_drafter = any(make_policy(s).uses_drafter for s in specs + [s for s in t1 if s != "ddtree-best"]) or \
+    need_drafter = any(policy_from_args(s, args).uses_drafter for s in specs + [s for s in t1 if s != "ddtree-best"]) or \
         "ddtree-best" in t1
     if need_drafter:
         drafter_dir_cli(args)
@@ -378,7 +379,8 @@ def run(args) -> int:
 
         try:
             summ = _run_block(model, tok, drafter, run_specs, items, run_sampling, args.max_new_tokens, args.seed,
-                              warmup, bar.write, on_partial=partial, hf_baseline=hf, on_record=on_record)
+                              warmup, bar.write, on_partial=partial, hf_baseline=hf, on_record=on_record,
+                              args=args)
         finally:
             bar.close()
         run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
@@ -406,7 +408,7 @@ def run(args) -> int:
         for j, B in enumerate(b for b in batch_sizes if b > 1):
             ref = reference  # without B = 1, each batch size compares with its own AR (which runs first)
             for spec in rotated(specs, j):
-                dec = make_batch_decoder(model, tok, drafter, spec, B, sampling)
+                dec = make_batch_decoder(model, tok, drafter, spec, B, sampling, args)
                 bar = Progress(sum(len(it.turns) for it in items) * args.max_new_tokens,
                                f"{ds} B={B} {spec}", "tok", enabled=not args.quiet)
                 try:

@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from .common import CLIError, encode_prompt, stop_token_ids
+from .common import CLIError, encode_prompt, policy_from_args, stop_token_ids
 
 
 # --- progress -------------------------------------------------------------------------------------------------------
@@ -105,11 +105,10 @@ def parse_batch_sizes(batch_size: Optional[int], batch_sizes: Optional[str]) -> 
 
 # --- one batch run --------------------------------------------------------------------------------------------------
 
-def make_batch_decoder(model, tok, drafter, spec: str, batch_size: int, sampling):
+def make_batch_decoder(model, tok, drafter, spec: str, batch_size: int, sampling, args=None):
     from taps.decode import BatchDecoder
-    from taps.decode.policies import make_policy
 
-    policy = make_policy(spec)
+    policy = policy_from_args(spec, args)
     try:
         return BatchDecoder(model, policy, drafter=drafter if policy.uses_drafter else None, sampling=sampling,
                             stop_token_ids=stop_token_ids(tok, model), max_batch=batch_size)
@@ -152,7 +151,7 @@ def run_batch(dec, tok, items, max_new_tokens: int, seed: int = 0, warmup: int =
     for _ in range(warmup):
         dec.generate_batch([warm] * dec.max_batch, 8, seed=seed)
     recs = [{"id": it.id, "source": it.source, "turns": [], "new_tokens": 0, "seconds": 0.0, "rounds": 0,
-             "accept_lens": [], "nodes": 0, "drafted_rounds": 0} for it in items]
+             "accept_lens": [], "nodes": 0, "drafted_rounds": 0, "time_split": {}} for it in items]
     histories: List[List[dict]] = [[] for _ in items]
     tick = progress.update if progress is not None else (lambda n: None)
     t0 = time.perf_counter()
@@ -172,6 +171,8 @@ def run_batch(dec, tok, items, max_new_tokens: int, seed: int = 0, warmup: int =
             rec["accept_lens"] += [r.accept_len for r in st.rounds]
             rec["nodes"] += sum(r.nodes for r in st.rounds)
             rec["drafted_rounds"] += sum(r.drafted for r in st.rounds)
+            for key, v in st.stage_totals().items():  # a round's stage times are the batch round's
+                rec["time_split"][key] = rec["time_split"].get(key, 0.0) + v
             histories[i] += [{"role": "user", "content": items[i].turns[k]}, {"role": "assistant", "content": answer}]
     wall = time.perf_counter() - t0
     for rec in recs:
@@ -198,6 +199,10 @@ def batch_row(spec: str, batch_size: int, recs: List[dict], wall_s: float) -> di
             "nodes_per_round": sum(r["nodes"] for r in recs) / rounds if rounds else None,
             "drafted_frac": sum(r["drafted_rounds"] for r in recs) / rounds if rounds else None,
             "identical_to_ar": None if None in flags else sum(bool(f) for f in flags),
+            # mean over (request, round) of the batch round's stage times (prefill: per request, not a round)
+            "stage_ms_per_round": {k: 1000 * sum(r.get("time_split", {}).get(k, 0.0) for r in recs) / rounds
+                                   for k in sorted({k for r in recs for k in r.get("time_split", {})})
+                                   if k != "prefill"} if rounds else {},
             "speedup": None}
 
 

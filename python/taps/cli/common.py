@@ -41,6 +41,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-kernel", default="auto", choices=("auto", "torch"),
                    help="target linear layers (auto: the few-row C++ kernel for AR steps and tree verifies on "
                         "AVX-512 CPUs, torch's linear elsewhere; torch: torch's linear everywhere)")
+    p.add_argument("--scorer", default=None,
+                   help="TAPS scorer directory for the taps* policies (default: the shipped smollm2-taps-scorer)")
+    p.add_argument("--pool-size", type=positive_int, default=None,
+                   help="candidate pool size of the taps* policies (default 128)")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: batch-1 decoding of a small model gains little from more, "
                         "and on a shared CPU torch's one-thread-per-core default ran 5x slower here)")
@@ -68,6 +72,19 @@ def setup_torch(args) -> None:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device: {args.device!r} requested but this torch has no CUDA device")
+
+
+def policy_from_args(spec: str, args=None):
+    """``make_policy(spec)`` with the options the policy accepts taken from ``args`` (``--scorer``,
+    ``--pool-size``); flags a policy does not use are not passed to it."""
+    from taps.decode.policies import PolicyError, make_policy, policy_options
+
+    given = {"scorer": getattr(args, "scorer", None), "pool_size": getattr(args, "pool_size", None)}
+    accepted = policy_options(spec)
+    try:
+        return make_policy(spec, **{k: v for k, v in given.items() if k in accepted})
+    except PolicyError as e:
+        raise CLIError(str(e)) from None
 
 
 def parse_policies(text: str) -> List[str]:

@@ -58,7 +58,7 @@ def run(args) -> int:
     decoders = {}
     for spec in specs:
         try:
-            decoders.update(build_decoders(model, tok, drafter, [spec], None))
+            decoders.update(build_decoders(model, tok, drafter, [spec], None, args))
         except CLIError as e:
             if args.policies or spec not in OPTIONAL_POLICIES:
                 raise

@@ -7,8 +7,8 @@ import os
 import sys
 
 from .common import (CLIError, add_model_flags, add_sampling_flags, check_fits, drafter_dir_cli, encode_prompt,
-                     load_drafter_cli, load_target_cli, positive_int, quiet_warnings, sampling_from_args, setup_torch,
-                     stop_token_ids)
+                     load_drafter_cli, load_target_cli, policy_from_args, positive_int, quiet_warnings, sampling_from_args,
+                     setup_torch, stop_token_ids)
 
 BACKENDS = ("auto", "reference", "cpp", "triton", "cuda")
 ATTENTIONS = ("auto", "taps_tree", "sdpa")
@@ -99,14 +99,13 @@ def _record(policy, ids, res, text) -> dict:
 
 def run(args) -> int:
     from taps.decode import BatchDecoder, GenerationError, Request
-    from taps.decode.policies import make_policy
 
     quiet_warnings()
     if args.prompt is not None and not args.prompt.strip():
         raise CLIError("--prompt: expected a non-empty prompt")
     if args.prompts is None and args.batch_size != 1:
         raise CLIError("--batch-size: needs --prompts (a single --prompt is one row)")
-    policy = make_policy(args.policy)
+    policy = policy_from_args(args.policy, args)
     sampling = sampling_from_args(args)
     setup_torch(args)
     _set_backend(args, args.device)

@@ -156,19 +156,28 @@ class Stopwatch:
 
 # --- registry -----------------------------------------------------------------------------------------------------
 
-_REGISTRY: Dict[str, Tuple[Callable[[Optional[str]], TreePolicy], str]] = {}
+_REGISTRY: Dict[str, Tuple[Callable[..., TreePolicy], str]] = {}
 _PARAMS: Dict[str, str] = {}
+_OPTIONS: Dict[str, Tuple[str, ...]] = {}
 _DISCOVERED = False
 
 
-def register_policy(name: str, help: str = "", params: str = ""):
-    """Decorator registering ``factory(arg: Optional[str]) -> TreePolicy`` under ``name``; ``params`` names
-    its argument after the colon (``"B"`` for ``ddtree:B``; brackets when optional), empty when it takes none."""
+def register_policy(name: str, help: str = "", params: str = "", options: Tuple[str, ...] = ()):
+    """Decorator registering ``factory(arg: Optional[str], **options) -> TreePolicy`` under ``name``; ``params``
+    names its argument after the colon (``"B"`` for ``ddtree:B``; brackets when optional), empty when it takes
+    none; ``options`` names the keyword options it accepts (``("scorer", "pool_size")`` for TAPS)."""
     def deco(factory):
         _REGISTRY[name] = (factory, help)
         _PARAMS[name] = params
+        _OPTIONS[name] = tuple(options)
         return factory
     return deco
+
+
+def policy_options(spec: str) -> Tuple[str, ...]:
+    """Keyword options the policy of ``spec`` accepts in :func:`make_policy` (``()`` for most)."""
+    _discover()
+    return _OPTIONS.get(spec.strip().partition(":")[0], ())
 
 
 def policy_params() -> Dict[str, str]:
@@ -195,8 +204,10 @@ def available_policies() -> Dict[str, str]:
     return {k: v[1] for k, v in sorted(_REGISTRY.items())}
 
 
-def make_policy(spec: str) -> TreePolicy:
-    """Build a policy from ``"name"`` or ``"name:arg"`` (e.g. ``"ddtree:16"``); raise PolicyError if unknown."""
+def make_policy(spec: str, **options) -> TreePolicy:
+    """Build a policy from ``"name"`` or ``"name:arg"`` (e.g. ``"ddtree:16"``) and the keyword options it
+    accepts (:func:`policy_options`; e.g. ``make_policy("taps", scorer="path/to/scorer", pool_size=64)``).
+    Options given as None are ignored. Raise PolicyError for an unknown name or option."""
     _discover()
     if not isinstance(spec, str) or not spec.strip():
         raise PolicyError(f"policy: expected a name such as 'ar', 'dflash' or 'ddtree:16', received {spec!r}")
@@ -204,7 +215,12 @@ def make_policy(spec: str) -> TreePolicy:
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY))
         raise PolicyError(f"policy: unknown policy {name!r}; available: {known}")
-    policy = _REGISTRY[name][0](arg or None)
+    options = {k: v for k, v in options.items() if v is not None}
+    unknown = sorted(set(options) - set(_OPTIONS[name]))
+    if unknown:
+        accepted = ", ".join(_OPTIONS[name]) or "none"
+        raise PolicyError(f"policy {name}: unknown option(s) {unknown}; it accepts: {accepted}")
+    policy = _REGISTRY[name][0](arg or None, **options)
     policy.name = spec.strip()
     return policy
 

@@ -20,13 +20,13 @@ Triton kernel on a GPU, reference/C++ on CPU), then one of two selection rules:
 * ``taps-fixed:N``: exactly the top-``N`` nodes by reach, no latency table: TAPS at the same node
   budget as ``ddtree:N`` (the equal-budget tau comparison).
 
-The scorer directory is ``$TAPS_SCORER`` or ``checkpoints/smollm2-taps-scorer`` (``-tiny`` suffix for the
-tiny variant). Pool size: ``$TAPS_POOL_SIZE`` or :data:`DEFAULT_POOL_SIZE`, chosen by measured CPU cost
-(the published 768-node pool would cost more to score on these CPUs than it could save).
+Options (``make_policy("taps", scorer=..., pool_size=...)``; CLI ``--scorer`` and ``--pool-size``): the scorer
+directory (default: the shipped ``smollm2-taps-scorer``, ``-tiny`` for the tiny variant, found by
+:mod:`taps.paths`) and the pool size (default :data:`DEFAULT_POOL_SIZE`, chosen by measured CPU cost: the
+published 768-node pool would cost more to score on these CPUs than it could save).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -48,9 +48,7 @@ DEFAULT_MIN_UTILITY = 0.01
 
 
 def scorer_dir(tiny: bool = False) -> Path:
-    env = os.environ.get("TAPS_SCORER_TINY" if tiny else "TAPS_SCORER")
-    if env:
-        return Path(env)
+    """The shipped scorer's directory (``tiny``: the 7-scalar variant)."""
     from taps import paths  # $TAPS_HOME, then package data, then the source checkout
 
     name = paths.SCORER_TINY if tiny else paths.SCORER
@@ -82,7 +80,7 @@ class TapsPolicy(GatedPolicy):
         super().__init__(gate=gate and rule == "reach")
         self.max_nodes = max_nodes
         self.rule = rule
-        self.pool_size = max(pool_size or int(os.environ.get("TAPS_POOL_SIZE", DEFAULT_POOL_SIZE)), max_nodes)
+        self.pool_size = max(pool_size or DEFAULT_POOL_SIZE, max_nodes)
         self.tiny = tiny
         self.min_utility = min_utility
         self.scorer = scorer
@@ -99,7 +97,7 @@ class TapsPolicy(GatedPolicy):
                 d = Path(self.scorer) if self.scorer is not None else scorer_dir(self.tiny)
                 if not d.is_dir():
                     raise FileNotFoundError(f"policy {self.name}: scorer directory {d} not found (train one with "
-                                            f"`taps train-scorer`, or set TAPS_SCORER)")
+                                            f"`taps train-scorer`, or pass scorer=/--scorer)")
                 w, cfg = load_scorer_weights(d)
             self.top_k = self.top_k or int(cfg.get("model", {}).get("top_k", 64))
             self.weights = w
@@ -148,29 +146,35 @@ class TapsPolicy(GatedPolicy):
         return BuiltTree(tree)
 
 
+#: Keyword options every TAPS variant accepts in make_policy (the CLI's --scorer and --pool-size).
+OPTIONS = ("scorer", "pool_size")
+
+
 @register_policy("taps", "TAPS: throughput rule on scorer reach with the measured latency table and draft gating; "
-                         "N caps nodes per row (default 64)", params="[N]")
-def _make(arg):
-    return TapsPolicy(parse_budget("taps", arg, DEFAULT_CAP), rule="reach")
+                         "N caps nodes per row (default 64)", params="[N]", options=OPTIONS)
+def _make(arg, **options):
+    return TapsPolicy(parse_budget("taps", arg, DEFAULT_CAP), rule="reach", **options)
 
 
 @register_policy("taps-nogate", "TAPS throughput rule without draft gating (drafts every round; ablation); "
-                                "N caps nodes", params="[N]")
-def _make_nogate(arg):
-    return TapsPolicy(parse_budget("taps-nogate", arg, DEFAULT_CAP), rule="reach", gate=False)
+                                "N caps nodes", params="[N]", options=OPTIONS)
+def _make_nogate(arg, **options):
+    return TapsPolicy(parse_budget("taps-nogate", arg, DEFAULT_CAP), rule="reach", gate=False, **options)
 
 
 @register_policy("taps-paper", "TAPS, published utility rule (lambda 1.0/0.002, threshold); N caps nodes (default 64)",
-                 params="[N]")
-def _make_paper(arg):
-    return TapsPolicy(parse_budget("taps-paper", arg, DEFAULT_CAP), rule="utility")
+                 params="[N]", options=OPTIONS)
+def _make_paper(arg, **options):
+    return TapsPolicy(parse_budget("taps-paper", arg, DEFAULT_CAP), rule="utility", **options)
 
 
-@register_policy("taps-tiny", "TAPS throughput rule with the 7-scalar scorer (ablation); N caps nodes", params="[N]")
-def _make_tiny(arg):
-    return TapsPolicy(parse_budget("taps-tiny", arg, DEFAULT_CAP), rule="reach", tiny=True)
+@register_policy("taps-tiny", "TAPS throughput rule with the 7-scalar scorer (ablation); N caps nodes", params="[N]",
+                 options=OPTIONS)
+def _make_tiny(arg, **options):
+    return TapsPolicy(parse_budget("taps-tiny", arg, DEFAULT_CAP), rule="reach", tiny=True, **options)
 
 
-@register_policy("taps-fixed", "TAPS at a fixed node budget: the top-N nodes by scorer reach", params="N")
-def _make_fixed(arg):
-    return TapsPolicy(parse_budget("taps-fixed", arg), rule="fixed")
+@register_policy("taps-fixed", "TAPS at a fixed node budget: the top-N nodes by scorer reach", params="N",
+                 options=OPTIONS)
+def _make_fixed(arg, **options):
+    return TapsPolicy(parse_budget("taps-fixed", arg), rule="fixed", **options)

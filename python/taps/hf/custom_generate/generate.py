@@ -56,16 +56,23 @@ def _load_drafter(drafter, model):
 
 
 def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, streamer=None, drafter=None,
-             taps_policy: str = "taps", taps_seed: Optional[int] = None, **kwargs):
+             taps_policy: str = "taps", taps_seed: Optional[int] = None, taps_scorer=None,
+             taps_pool_size: Optional[int] = None, **kwargs):
     """Run this project's lossless speculative decoder for every row of ``inputs`` ``[B, T] int64``.
 
     ``drafter``: a ``DFlashDrafter``, a drafter directory, or None (the shipped drafter, when the policy
     drafts). ``taps_policy``: a policy spec (``ar``, ``dflash``, ``ddtree:8``, ``taps``, ...).
     ``taps_seed``: seed of the target's draws when sampling (default: drawn from torch's generator).
+    ``taps_scorer`` / ``taps_pool_size``: the taps* policies' scorer directory and pool size (default: the
+    shipped scorer, 128); ignored by policies without them.
     """
     from taps.decode import SamplingConfig
     from taps.decode import generate as taps_generate
-    from taps.decode.policies import make_policy
+    from taps.decode.policies import make_policy, policy_options
+
+    def _policy():
+        options = {"scorer": taps_scorer, "pool_size": taps_pool_size}
+        return make_policy(taps_policy, **{k: v for k, v in options.items() if k in policy_options(taps_policy)})
 
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -107,7 +114,7 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
     pad = gc.pad_token_id if gc.pad_token_id is not None else (stops[0] if stops else 0)
     pad = _eos_ids(pad)[0]
 
-    policy = make_policy(taps_policy)
+    policy = _policy()
     draft_model = _load_drafter(drafter, model) if policy.uses_drafter else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -119,7 +126,7 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
         seed = taps_seed if taps_seed is not None else (
             int(torch.randint(0, 2**31 - 1, (1,))) if not sampling.greedy else 0)
         if b > 0:
-            policy = make_policy(taps_policy)  # a policy keeps per-generation state (gate, overhead)
+            policy = _policy()  # a policy keeps per-generation state (gate, overhead)
         res = taps_generate(model, ids.tolist(), policy, drafter=draft_model, max_new_tokens=max_new,
                             sampling=sampling, stop_token_ids=stops, seed=seed)
         rows.append(res.token_ids)
