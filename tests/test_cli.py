@@ -286,12 +286,14 @@ def test_bench_batch_sizes_rows_recomputed_from_records(assets, batch_prompts, c
         assert row["speedup"] == pytest.approx(total[row["policy"], row["batch_size"]] / total["ar", row["batch_size"]],
                                                rel=1e-9)
     assert all(r["tau"] == 1.0 and r["nodes_per_round"] == 1.0 for r in rows if r["policy"] == "ar")
+    assert all(r["stage_ms_per_round"]["verify"] > 0 for r in rows)
+    assert all(r["stage_ms_per_round"]["draft"] > 0 for r in rows if r["policy"] == "dflash")
     # the B = 1 row is the single-request run's own summary
     assert rows[1]["speedup"] == pytest.approx(run["policies"]["dflash"]["speedup"], rel=1e-9)
     # report: one line per B in each table, the crossover consistent with the speedups
     text = "\n".join(batch_tables(sweep))
     for b in (1, 2, 3):
-        assert text.count(f"\n| {b} | ") == 4
+        assert text.count(f"\n| {b} | ") == 5  # tok/s, speedup, per request, nodes, stage times
     for p in ("dflash", "ddtree:3"):
         sp = {r["batch_size"]: r["speedup"] for r in rows if r["policy"] == p}
         c = crossover(rows, p)

@@ -24,6 +24,14 @@ def _grid(rows: List[dict], policies: List[str], sizes: List[int], fmt) -> List[
     return L
 
 
+def _stages(r) -> str:
+    st = (r or {}).get("stage_ms_per_round")
+    if not st:
+        return "-"
+    build = sum(st.get(k, 0.0) for k in ("draft", "pool", "scoring", "selection"))
+    return f"{build:.0f} / {st.get('verify', 0.0):.0f}"
+
+
 def crossover(rows: List[dict], policy: str) -> Optional[int]:
     """The smallest batch size from which ``policy`` no longer beats batched AR (speedup < 1 there and at
     every larger size measured); None when it beats AR at the largest size."""
@@ -59,6 +67,9 @@ def batch_tables(sweep: dict) -> List[str]:
     L += _grid(rows, policies, sizes, lambda r: _cell(r and r["per_request_tokens_per_s_median"], ".2f"))
     L += ["", "Verified nodes per row per round (root included):", ""]
     L += _grid(rows, policies, sizes, lambda r: _cell(r and r["nodes_per_round"], ".1f"))
+    if any(r.get("stage_ms_per_round") for r in rows):
+        L += ["", "Milliseconds per batch round, draft (+ pool, scoring, selection) / verify:", ""]
+        L += _grid(rows, policies, sizes, _stages)
     L.append("")
     ar = {r["batch_size"]: r["total_tokens_per_s"] for r in rows if r["policy"] == "ar"}
     if 1 in ar and len(ar) > 1:
