@@ -18,6 +18,8 @@ from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool
 from .ops.select import UTILITY_PRESETS
 from .scorer_weights import ScorerWeights
 
+from . import custom_ops  # noqa: F401,E402  (registers torch.ops.taps.* on import: one import for an engine)
+
 __version__ = "0.1.0"
 
 warn_if_cpp_missing()

@@ -144,3 +144,13 @@ def test_explicit_backend_errors_say_why():
         bk.resolve("tree_mask", "cuda", CPU)
     with pytest.raises(bk.BackendUnavailable, match="unknown backend"):
         bk.resolve("tree_mask", "fpga", CPU)
+
+
+def test_import_registers_the_custom_ops():
+    # An engine imports the package once: torch.ops.taps.* must exist without importing taps_kernels.custom_ops.
+    code = ("import torch, taps_kernels\n"
+            "print(sorted(n for n in ('tree_mask', 'accept_greedy', 'compact_kv', 'tree_attention') "
+            "if hasattr(torch.ops.taps, n)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['accept_greedy', 'compact_kv', 'tree_attention', 'tree_mask']"
