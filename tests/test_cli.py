@@ -278,6 +278,9 @@ def test_bench_batch_sizes_rows_recomputed_from_records(assets, batch_prompts, c
         assert row["wall_s"] == pytest.approx(wall, rel=1e-9)
         total[row["policy"], B] = row["new_tokens"] / wall
         assert row["total_tokens_per_s"] == pytest.approx(total[row["policy"], B], rel=1e-9)
+        prefill = sum(r["time_split"]["prefill"] for r in recs)
+        assert 0 < prefill < wall and row["prefill_s"] == pytest.approx(prefill, rel=1e-9)
+        assert row["decode_tokens_per_s"] == pytest.approx(row["new_tokens"] / (wall - prefill), rel=1e-9)
         assert row["per_request_tokens_per_s_median"] == pytest.approx(
             statistics.median(r["new_tokens"] / r["seconds"] for r in recs), rel=1e-9)
         rounds = sum(r["rounds"] for r in recs)
@@ -293,7 +296,7 @@ def test_bench_batch_sizes_rows_recomputed_from_records(assets, batch_prompts, c
     # report: one line per B in each table, the crossover consistent with the speedups
     text = "\n".join(batch_tables(sweep))
     for b in (1, 2, 3):
-        assert text.count(f"\n| {b} | ") == 5  # tok/s, speedup, per request, nodes, stage times
+        assert text.count(f"\n| {b} | ") == 6  # tok/s, decode tok/s, speedup, per request, nodes, stage times
     for p in ("dflash", "ddtree:3"):
         sp = {r["batch_size"]: r["speedup"] for r in rows if r["policy"] == p}
         c = crossover(rows, p)

@@ -15,6 +15,8 @@ Per (policy, B), the row of the summary's ``batch`` section:
 * ``per_request_tokens_per_s_median``: median over requests of own tokens / own latency, a request's
   latency running from its admission (prefill) to its last token, summed over its turns (time queued
   before admission excluded).
+* ``prefill_s``, ``decode_tokens_per_s``: the prefills' summed seconds (each prompt is prefilled alone while
+  the other rows wait) and tokens / (wall - prefill_s), the rounds' own throughput.
 * ``tau``: accepted tokens per round, root included, over every request's rounds.
 * ``speedup``: total tokens/s / batched AR's total tokens/s at the same B (= AR time per token / policy
   time per token of the batch run).
@@ -190,10 +192,14 @@ def batch_row(spec: str, batch_size: int, recs: List[dict], wall_s: float) -> di
     :func:`add_speedups`)."""
     tokens = sum(r["new_tokens"] for r in recs)
     rounds = sum(r["rounds"] for r in recs)
+    # prefills run alone between rounds (every other row waits), so the decode-only wall is the rest
+    prefill = sum(r.get("time_split", {}).get("prefill", 0.0) for r in recs)
     accepted = sum(sum(r["accept_lens"]) for r in recs)
     flags = [r.get("identical_to_ar") for r in recs]
     return {"policy": spec, "batch_size": batch_size, "requests": len(recs), "new_tokens": tokens, "wall_s": wall_s,
             "total_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+            "prefill_s": prefill,
+            "decode_tokens_per_s": tokens / (wall_s - prefill) if wall_s > prefill else None,
             "per_request_tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in recs) if recs else 0.0,
             "tau": accepted / rounds if rounds else None,
             "nodes_per_round": sum(r["nodes"] for r in recs) / rounds if rounds else None,

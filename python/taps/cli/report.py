@@ -60,6 +60,10 @@ def batch_tables(sweep: dict) -> List[str]:
          "Total tokens/s (all output tokens / wall time of the batch run; B = 1 is the single-request protocol, "
          "its wall time the policy's summed generation time):", ""]
     L += _grid(rows, policies, sizes, lambda r: _cell(r and r["total_tokens_per_s"], ".2f"))
+    if any(r.get("decode_tokens_per_s") for r in rows):
+        L += ["", "Decode tokens/s (tokens / (wall - prefill time); each prompt is prefilled alone while the other "
+              "rows wait):", ""]
+        L += _grid(rows, policies, sizes, lambda r: _cell(r and r.get("decode_tokens_per_s"), ".2f"))
     L += ["", "Speedup over batched AR at the same B (tau in parentheses):", ""]
     L += _grid(rows, spec, sizes, lambda r: "-" if r is None or r["speedup"] is None else
                f"{r['speedup']:.2f}x ({_cell(r['tau'], '.2f')})")
