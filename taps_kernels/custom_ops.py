@@ -253,3 +253,6 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, ancestor_bits: Tensor, prefi
     out, lse = torch.ops.taps.tree_attention(q, k, v, ancestor_bits.contiguous(), prefix_lens.long().contiguous(),
                                              scale)
     return (out, lse) if return_lse else out
+
+
+from . import custom_ops_tree_build  # noqa: E402,F401  (registers the pool, scoring and selection ops)
