@@ -1,16 +1,17 @@
 """The round's device-side pieces trace into one graph (``torch.compile(fullgraph=True)``), as CUDA graphs need.
 
 What compiles: the ``taps::`` custom ops the loop calls (tree mask, tree attention, accept walk, KV
-compaction) and the loop's own device-side tree edits and size rule (depth cap, top-n per row, joint batch
-sizes, committed-token packing). What does not, yet: the candidate pool, the scorer and the subtree
-selection are public ops with host-side dispatch, not ``torch.library`` custom ops, so a graph breaks there
-(the xfail below records that gap; it passes once they are registered as custom ops).
+compaction), the tree-building ones (top-K statistics, best-first pool, edge scoring, subtree selection and
+re-indexing, through :mod:`taps_kernels.custom_ops_tree_build`), and the loop's own device-side tree edits
+and size rule (depth cap, top-n per row, joint batch sizes, committed-token packing). The public
+``candidate_pool``/``score_edges``/``select_subtree`` keep their host-side dispatch and value checks; a
+traced round calls the custom-op wrappers instead.
 """
-import pytest
 import torch
 
 import taps_kernels
 from taps_kernels import Tree, custom_ops
+from taps_kernels import custom_ops_tree_build as tree_build
 from taps.decode.policies.gate import batch_table, joint_sizes
 from taps.decode.tree_ops import chain_tree, keep_top, truncate_depth
 
@@ -71,14 +72,26 @@ def test_policy_chain_and_depth_cap_compile():
     assert torch.equal(got, dflash(bonus, logits, caps))
 
 
-@pytest.mark.xfail(reason="candidate_pool / score_edges / select_subtree are not torch.library custom ops yet: "
-                          "their host-side dispatch breaks the graph", strict=False)
 def test_pool_score_select_compile_fullgraph():
-    def build(logits, bonus):
-        pool = taps_kernels.candidate_pool(logits, bonus, top_k=4, pool_size=8)
-        _, _, log_reach = taps_kernels.score_edges(pool, None)
-        return taps_kernels.select_subtree(pool.tree, log_reach, 4).tree.tokens
+    """Draft logits -> pool -> scorer -> selection -> tail of the round, one graph, equal to eager."""
+    def build(logits, bonus, weights, latency, prefix_lens, target):
+        pool = tree_build.candidate_pool(logits, bonus, top_k=4, pool_size=8)
+        _, _, log_reach = tree_build.score_edges(pool, weights)
+        sel = tree_build.select_subtree(pool.tree, log_reach, 4, latency=latency, t0=0.001)
+        _, bits = custom_ops.tree_mask(sel.tree, prefix_lens)
+        path, acc, nxt = custom_ops.accept_greedy(sel.tree, target, max_depth=4)
+        return sel.tree.tokens, sel.tree.parents, sel.pool_index, log_reach, bits, path, acc, nxt
 
-    logits, bonus = torch.randn(2, 5, 30), torch.tensor([1, 2])
-    got = torch.compile(build, fullgraph=True, backend="aot_eager")(logits, bonus)
-    assert torch.equal(got, build(logits, bonus))
+    g = torch.Generator().manual_seed(0)
+    logits, bonus = torch.randn(2, 5, 30, generator=g) * 2, torch.tensor([1, 2])
+    weights = taps_kernels.ScorerWeights.random(tiny=True, generator=g)
+    latency = torch.tensor([0.02 + 0.003 * n for n in range(6)], dtype=torch.float64)
+    prefix_lens, target = torch.tensor([7, 3]), torch.randint(30, (2, 5), generator=g)
+    want = build(logits, bonus, weights, latency, prefix_lens, target)
+    public = taps_kernels.select_subtree(taps_kernels.candidate_pool(logits, bonus, 4, 8).tree, want[3], 4,
+                                         latency=latency, t0=0.001)
+    assert torch.equal(want[0], public.tree.tokens) and torch.equal(want[2], public.pool_index)
+    got = torch.compile(build, fullgraph=True, backend="aot_eager")(logits, bonus, weights, latency, prefix_lens,
+                                                                    target)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
