@@ -206,3 +206,23 @@ def topk_stats_triton(draft_logits: torch.Tensor, top_k: int, block_v: int = Non
                                 KSEL=ksel, KSEL_PAD=ksel_pad, S_PAD=max(2, triton.next_power_of_2(splits)),
                                 HAS_SECOND=V > 1, num_warps=4)
     return topk_logp, topk_ids, entropy, margin, mass
+
+
+def aot_configs():
+    """Launch configurations for ahead-of-time compile checks (format: ``bench/aot_resources.py``). ``KSEL`` is the
+    top-K itself, so every K is its own compile: listed are K = 1 (the runner-up still kept), 16 and the published
+    64, with full vocabulary tiles in each logits dtype, a tiny vocabulary, and the merge at 2, 16-32 (a 15-row draft
+    on 108-132 SMs) and 256 splits (a single row; the launcher's cap of 16384 candidates)."""
+    out = []
+    for dt in ("*bf16", "*fp16", "*fp32"):
+        for ksel in (2, 16, 64):
+            out.append((_topk_partial_kernel, {"logits_ptr": dt, "part_keys_ptr": "*i64"},
+                        dict(KSEL=ksel, KSEL_PAD=ksel, BLOCK_V=1024), (), 4))
+    out.append((_topk_partial_kernel, {"part_keys_ptr": "*i64"}, dict(KSEL=1, KSEL_PAD=2, BLOCK_V=16), (), 4))
+    for ksel, s_pad in ((64, 2), (64, 16), (64, 32), (64, 256), (16, 32), (2, 32)):
+        out.append((_topk_merge_kernel, {"part_keys_ptr": "*i64", "topk_ids_ptr": "*i64"},
+                    dict(KSEL=ksel, KSEL_PAD=ksel, S_PAD=s_pad, HAS_SECOND=True), (), 4))
+    out.append((_topk_merge_kernel, {"part_keys_ptr": "*i64", "topk_ids_ptr": "*i64"},
+                dict(KSEL=1, KSEL_PAD=2, S_PAD=2, HAS_SECOND=False), (), 4))
+    return out
+
