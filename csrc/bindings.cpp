@@ -201,6 +201,7 @@ std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k
     for (int64_t r = begin; r < end; ++r) {
       taps::topk_row(x + r * V, V, K2, vp + r * K2, ip + r * K2, ws);
       if (V > 1) mp[r] = vp[r * K2] - vp[r * K2 + 1];
+      if (std::isinf(mp[r])) mp[r] = 0.0f;  // no possible runner-up: 0, as for V = 1
     }
   });
   // A NaN or +inf logit, or a row of -inf only, makes the whole log-softmax row NaN, and NaN ranks first: the

@@ -72,22 +72,28 @@ def _check_tree_tensors(tokens: Optional[Tensor], parents: Tensor, depth: Option
         check_tensor("depth", depth, dtypes=(torch.int32,), shape=(B, N), device=parents.device)
     check_tensor("num_nodes", num_nodes, dtypes=(torch.int32,), shape=(B,), device=parents.device)
     if check_values:
-        tree = Tree(tokens if tokens is not None else torch.zeros(B, N, dtype=torch.int64, device=parents.device),
-                    parents, depth if depth is not None else _depth_of(parents, num_nodes), num_nodes)
-        validate_tree(tree, "tree", deep=True)
+        if depth is not None:
+            validate_tree(Tree(torch.zeros(B, N, dtype=torch.int64), parents, depth, num_nodes), "tree", deep=True)
+        else:
+            _check_walk_structure(parents, num_nodes)
     return B, N
 
 
-def _depth_of(parents: Tensor, num_nodes: Tensor) -> Tensor:
-    """Depths implied by ``parents`` (accept_greedy has no depth tensor; its structure check needs one)."""
+def _check_walk_structure(parents: Tensor, num_nodes: Tensor) -> None:
+    """What the acceptance walk indexes with (it reads no depth): num_nodes in [1, N], real parents before children."""
     B, N = parents.shape
-    depth = torch.zeros(B, N, dtype=torch.int32)
-    par = parents.tolist()
-    for b in range(B):
-        for i in range(1, min(max(int(num_nodes[b]), 0), N)):
-            p = par[b][i]
-            depth[b, i] = depth[b, p] + 1 if 0 <= p < i else 0
-    return depth
+    nn = num_nodes.long()
+    bad = (nn < 1) | (nn > N)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"tree.num_nodes[{b}]: expected a value in [1, {N}], received {int(nn[b])}")
+    idx = torch.arange(N)
+    nonroot = (idx[None, :] < nn[:, None]) & (idx[None, :] > 0)
+    bad = nonroot & ((parents < 0) | (parents >= idx[None, :]))
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"tree.parents[{b},{i}]: parent index {int(parents[b, i])} is out of range or not smaller "
+                         f"than the child's index; expected 0 <= parent < {i}")
 
 
 # --- taps::tree_mask ----------------------------------------------------------------------------------------------

@@ -145,13 +145,14 @@ def test_finding04_score_edges_tree_deeper_than_positions_agrees(scorer):
 @needs_triton
 @pytest.mark.parametrize("scorer", [None, "tiny"])
 def test_finding04_score_edges_deeper_than_positions_triton_clamps(scorer):
+    scorer = str(scorer)
     rc, out, err = in_child(f"""
         import sys, torch
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
         import taps_kernels as tk
         from test_validation import _deep_pool
         pool = _deep_pool()
-        w = None if {scorer!r} is None else tk.ScorerWeights.random(tiny=True, generator=torch.Generator().manual_seed(1))
+        w = None if {scorer!r} == "None" else tk.ScorerWeights.random(tiny=True, generator=torch.Generator().manual_seed(1))
         for x, y in zip(tk.score_edges(pool, w, backend="triton"), tk.score_edges(pool, w, backend="reference")):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
         print("same")

@@ -46,7 +46,8 @@ def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = 
     _, fn = resolve("topk_stats", backend, draft_logits.device)
     topk_logp, topk_ids, entropy, margin, topk_mass = fn(draft_logits, min(top_k, V))
     # No possible runner-up (V = 1, or every other token -inf): margin 0 on every backend, never +inf (the
-    # scorer's LayerNorm would turn an infinite feature into NaN).
+    # scorer's LayerNorm would turn an infinite feature into NaN). The backends do so already; this keeps
+    # the guarantee for any registered implementation.
     margin = torch.where(torch.isinf(margin), torch.zeros_like(margin), margin)
     return TopKStats(topk_logp, topk_ids, entropy, margin, topk_mass)
 

@@ -11,7 +11,8 @@ def topk_stats_reference(draft_logits: torch.Tensor, top_k: int):
     """``draft_logits [B,D,V]`` -> ``(topk_logp [B,D,K] f32, topk_ids [B,D,K] int64, entropy, margin, topk_mass [B,D] f32)``.
 
     ``K = min(top_k, V)``; sorted by log-prob descending, ties to the smallest token id
-    (a stable descending sort keeps equal values in index order).
+    (a stable descending sort keeps equal values in index order). ``margin`` is 0 when no second token
+    is possible (V = 1, or every other logit -inf).
     """
     logp = torch.log_softmax(draft_logits.float(), dim=-1)
     V = logp.shape[-1]
@@ -23,6 +24,8 @@ def topk_stats_reference(draft_logits: torch.Tensor, top_k: int):
     # p * logp is NaN only where p == 0 (logp == -inf), whose term is 0: nansum drops exactly those.
     entropy = -(p * logp).nansum(-1)
     margin = sorted_logp[..., 0] - sorted_logp[..., 1] if V > 1 else torch.zeros_like(entropy)
+    # no possible runner-up (every other token -inf): 0, as for V = 1 (an infinite scorer feature would be NaN)
+    margin = torch.where(torch.isinf(margin), torch.zeros_like(margin), margin)
     topk_mass = topk_logp.exp().sum(-1)
     return topk_logp, topk_ids, entropy, margin, topk_mass
 
