@@ -135,6 +135,20 @@ def test_measured_batch_table_is_used():
     assert batch_table(latency, 3, 1).tolist() == pytest.approx([0.07, 0.08])  # fallback: total rows
 
 
+def test_extension_past_the_table_uses_its_mean_slope():
+    # A measured table that ends flat must not make the nodes past its end free: 16 rows of 64 low-reach
+    # nodes were all kept when the extension reused the last (zero) step.
+    from taps.decode.policies.gate import batch_table, joint_sizes
+
+    latency = {"latency": [0.05 + 0.004 * n for n in range(64)] + [0.05 + 0.004 * 63]}
+    table = batch_table(latency, 16, 16 * 64)
+    assert table[200].item() == pytest.approx(0.05 + 0.004 * 63 + (200 + 15 - 64) * (0.004 * 63 / 64))
+    lr = torch.full((16, 65), float(torch.log(torch.tensor(0.05))))
+    lr[:, 0] = 0.0
+    sizes, _, total = joint_sizes(lr, table, 0.05 + 0.004 * 15, rows=16, max_nodes=64)
+    assert total.item() < 16 * 64 and sizes.max().item() < 64
+
+
 class CountingDrafter:
     """Wraps a drafter and counts draft() calls."""
 

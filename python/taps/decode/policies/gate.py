@@ -119,7 +119,9 @@ def batch_seconds(latency: dict, rows: int, n_total: int) -> List[float]:
         base, offset = [float(x) for x in measured], 0
     else:
         base, offset = [float(x) for x in latency["latency"]], rows - 1
-    slope = base[-1] - base[-2] if len(base) > 1 else 0.0
+    # The mean slope over the measured range, not the last step: a table often ends flat (two equal timings
+    # at its largest sizes), and a zero slope would price every node past the end as free.
+    slope = max((base[-1] - base[0]) / (len(base) - 1), 0.0) if len(base) > 1 else 0.0
     out = []
     for n in range(n_total + 1):
         i = n + offset
