@@ -17,6 +17,11 @@ Key of a candidate (larger is popped first), int64::
 The fields hold ``parent, rank <= pool_size`` and ``depth <= pool_size``, hence the 1024-node limit
 (``MAX_POOL_SIZE``). Scores are float32 sums from the root in the reference's order
 (``logq[parent] + topk_logp[depth-1, rank]``), so ``logq`` is bit-identical.
+
+Out-of-contract values (trusted on the device): no index comes from tensor data. Parent, rank and depth are
+decoded from the key's low 32 bits, which the kernel builds itself (``rank < K``, ``depth <= D``, parent a
+popped node), whatever the score bits; NaN or ``+inf`` log-probs only change the pop order, and ids and root
+tokens are copied as they are. Unspecified output, never an out-of-bounds access; ``P`` steps always.
 """
 from __future__ import annotations
 

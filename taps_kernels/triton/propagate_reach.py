@@ -11,6 +11,11 @@ never sees a flag before the value it guards.
 
 ``_propagate_row`` is shared with ``select_subtree`` (its effective reach is the same walk with
 ``min`` in place of ``+``).
+
+Out-of-contract parents (values are trusted on the device): a node whose parent is not in ``[0, i-1]``
+(``>= i``, beyond ``N``, or negative other than ``-1``) is treated as padding (``-inf``). The output is then
+unspecified, but no index leaves the row and the rounds always end (every pending node's parent comes
+before it, so the first pending node of a chunk is always ready).
 """
 from __future__ import annotations
 
@@ -30,11 +35,14 @@ def _propagate_row(parents_ptr, edge_ptr, out_ptr, done_ptr, base, N, num, USE_M
     # Row ``base`` of [B,N] arrays: out[0] = 0; for 0 < i < num with parents[i] >= 0:
     # out[i] = out[parent] + edge[i] (USE_MIN: edge[i] unless out[parent] < edge[i]); every other node -inf
     # (a child of such a node still reads it, as the reference does). done [B,N] i32 scratch.
+    # num is clamped into [0, N] and a parent outside [0, i-1] makes node i padding: these bound every index
+    # and, parents pointing backwards only, guarantee each round finishes at least one node.
+    num = tl.minimum(tl.maximum(num, 0), N)
     for c0 in range(0, N, BLOCK):
         r = c0 + tl.arange(0, BLOCK)
         rm = r < N
         par = tl.load(parents_ptr + base + r, mask=rm, other=-1)
-        pending = rm & (r > 0) & (r < num) & (par >= 0)
+        pending = rm & (r > 0) & (r < num) & (par >= 0) & (par < r)
         edge = tl.load(edge_ptr + base + r, mask=pending, other=0.0)
         tl.store(out_ptr + base + r, tl.where(r == 0, 0.0, float("-inf")), mask=rm)
         tl.store(done_ptr + base + r, tl.where(pending, 0, 1), mask=rm)
@@ -66,7 +74,11 @@ def _propagate_reach_kernel(parents_ptr, edge_ptr, out_ptr, done_ptr, N, BLOCK: 
 def propagate_reach_triton(parents: torch.Tensor, edge_logq: torch.Tensor) -> torch.Tensor:
     """Triton ``propagate_reach``: ``parents [B,N] int32`` (topological, -1 for root and padding),
     ``edge_logq [B,N]`` float -> ``log_reach [B,N] float32`` (root 0, padding -inf), bit-identical to the
-    reference. No host synchronisation."""
+    reference. No host synchronisation.
+
+    Out-of-contract values (trusted, as on a GPU with ``validate="none"``): a parent outside ``[0, i-1]`` for
+    node ``i > 0`` gives that node ``-inf`` (as padding); unspecified output, never an out-of-bounds access
+    or a hang."""
     B, N = parents.shape
     out = torch.empty(B, N, dtype=torch.float32, device=parents.device)
     if B == 0 or N == 0:

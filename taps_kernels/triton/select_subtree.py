@@ -18,6 +18,14 @@ One program per tree, every phase on the device, no host synchronisation:
 
 ``reindex_subtree``: one lane per output row; the new parent index is found by binary search in the
 (ascending) ``pool_index`` row.
+
+Out-of-contract values (trusted on the device, ``validate="none"``) give unspecified output, never an
+out-of-bounds access or a hang: ``num_nodes`` is clamped into ``[1, N]``; a parent outside ``[0, i-1]``
+makes node ``i`` unreachable in the propagation walk and ends the utility rule's ancestor walk (so every
+walk strictly descends in index and stops); NaN reach can give equal ranks, so the rank-order slot a step
+reads is clamped to a real node and no more than ``max_nodes`` nodes are written after the root;
+``depth`` is only arithmetic (never an index); ``pool_index`` entries outside ``[0, N)`` in
+``reindex_subtree`` are padding.
 """
 from __future__ import annotations
 
@@ -66,6 +74,7 @@ def _rank_candidates(val_ptr, rank_ptr, base, lo, hi, TILE: tl.constexpr):
 @triton.jit
 def _write_selection(keep_ptr, keep_base, keep_limit, out_ptr, out_base, M, N, BLOCK: tl.constexpr):
     # out row (M entries): 0, then every node i in 1..N-1 with keep[i] < keep_limit in ascending order, then -1.
+    # At most M - 1 nodes pass on valid input; the pos < M mask holds the row when NaN reach gives equal ranks.
     for c0 in range(0, M, BLOCK):
         r = c0 + tl.arange(0, BLOCK)
         tl.store(out_ptr + out_base + r, tl.where(r == 0, 0, -1).to(tl.int64), mask=r < M)
@@ -76,7 +85,7 @@ def _write_selection(keep_ptr, keep_base, keep_limit, out_ptr, out_base, M, N, B
         k = tl.load(keep_ptr + keep_base + r, mask=(r > 0) & (r < N), other=keep_limit)
         kept = k < keep_limit
         pos = carry + tl.cumsum(kept.to(tl.int32), 0)
-        tl.store(out_ptr + out_base + pos, r.to(tl.int64), mask=kept)
+        tl.store(out_ptr + out_base + pos, r.to(tl.int64), mask=kept & (pos < M))
         carry += tl.sum(kept.to(tl.int32), 0)
 
 
@@ -88,7 +97,7 @@ def _select_reach_kernel(parents_ptr, num_ptr, reach_ptr, lat_ptr, eff_ptr, done
     # Scratch: eff [B,N] f32, done/rank [B,N] i32, x [B,N] f64.
     b = tl.program_id(0)
     base = b.to(tl.int64) * N
-    num = tl.load(num_ptr + b)
+    num = tl.minimum(tl.maximum(tl.load(num_ptr + b), 1), N)  # bounds every loop and index below
     _propagate_row(parents_ptr, reach_ptr, eff_ptr, done_ptr, base, N, num, True, BLOCK)
     tl.debug_barrier()
     _rank_candidates(eff_ptr, rank_ptr, base, 1, num, TILE)
@@ -119,6 +128,14 @@ def _select_reach_kernel(parents_ptr, num_ptr, reach_ptr, lat_ptr, eff_ptr, done
     tl.store(num_sel_ptr + b, n)
 
 
+@triton.jit
+def _parent_below(parents_ptr, base, j):
+    # parent of node j (0 < j < N), or -1 when it is not in [0, j-1]: a walk then stops, and since every step
+    # goes to a smaller index it always ends and stays in the row
+    p = tl.load(parents_ptr + base + j)
+    return tl.where((p >= 0) & (p < j), p, -1)
+
+
 @triton.jit(do_not_specialize=["lam_node_bits", "lam_depth_bits", "min_u_bits"])
 def _select_utility_kernel(parents_ptr, depth_ptr, num_ptr, reach_ptr, u_ptr, rank_ptr, order_ptr, chosen_ptr,
                            pool_index_ptr, num_sel_ptr, N, M, max_nodes, lam_node_bits, lam_depth_bits, min_u_bits,
@@ -127,7 +144,7 @@ def _select_utility_kernel(parents_ptr, depth_ptr, num_ptr, reach_ptr, u_ptr, ra
     # Scratch: u [B,N] f64, rank/order/chosen [B,N] i32.
     b = tl.program_id(0)
     base = b.to(tl.int64) * N
-    num = tl.load(num_ptr + b)
+    num = tl.minimum(tl.maximum(tl.load(num_ptr + b), 1), N)  # bounds every loop and index below
     lam_node = _as_f64(lam_node_bits)
     lam_depth = _as_f64(lam_depth_bits)
     min_u = _as_f64(min_u_bits)
@@ -151,7 +168,8 @@ def _select_utility_kernel(parents_ptr, depth_ptr, num_ptr, reach_ptr, u_ptr, ra
     k = 0
     active = num > 1
     while active:
-        i = tl.load(order_ptr + base + k)
+        # NaN utilities can tie ranks and leave order slots unwritten: keep i a real non-root node
+        i = tl.minimum(tl.maximum(tl.load(order_ptr + base + k), 1), num - 1)
         go = (tl.load(u_ptr + base + i) < min_u) == 0  # the reference stops at u < min_utility
         # the node's not-yet-kept ancestors (itself included) end at the first kept one: the kept set is closed
         j = i
@@ -159,13 +177,13 @@ def _select_utility_kernel(parents_ptr, depth_ptr, num_ptr, reach_ptr, u_ptr, ra
         walking = go & (tl.load(chosen_ptr + base + j) == 0)
         while walking:
             miss += 1
-            j = tl.load(parents_ptr + base + j)
+            j = _parent_below(parents_ptr, base, j)
             walking = (j > 0) & (tl.load(chosen_ptr + base + tl.maximum(j, 0)) == 0)
         fits = go & (count + miss <= max_nodes)
         j = i
         for _ in range(0, tl.where(fits, miss, 0)):
             tl.store(chosen_ptr + base + j, 1)
-            j = tl.load(parents_ptr + base + j)
+            j = _parent_below(parents_ptr, base, j)
         count += tl.where(fits, miss, 0)
         tl.debug_barrier()
         k += 1
@@ -191,6 +209,9 @@ def select_subtree_triton(parents: torch.Tensor, depth: torch.Tensor, num_nodes:
     ``(pool_index [B, max_nodes+1] int64, num_selected [B] int32)``: kept pool nodes ascending, root first,
     -1 padded. Integer outputs equal the reference's (see the module docstring for the one float64 caveat
     of the throughput size). No host synchronisation.
+
+    Out-of-contract values (``num_nodes`` outside ``[1, N]``, parents not in ``[0, i-1]``, NaN reach, any
+    depth) give unspecified output, never an out-of-bounds access or a hang (module docstring).
     """
     if rule not in ("reach", "utility"):
         raise ValueError(f"rule: expected 'reach' or 'utility', received {rule!r}")
@@ -232,7 +253,7 @@ def _reindex_kernel(tokens_ptr, parents_ptr, depth_ptr, pool_index_ptr, out_toke
     mm = m < M
     ib = b.to(tl.int64) * M
     src = tl.load(pool_index_ptr + ib + m, mask=mm, other=-1)
-    keep = mm & (src >= 0)
+    keep = mm & (src >= 0) & (src < N)  # an entry outside the pool row is padding (trusted values)
     tb = b.to(tl.int64) * N
     s = tl.maximum(src, 0)
     tok = tl.load(tokens_ptr + tb + s, mask=keep, other=0)
@@ -259,7 +280,10 @@ def reindex_subtree_triton(tokens: torch.Tensor, parents: torch.Tensor, depth: t
                            num_nodes: torch.Tensor, pool_index: torch.Tensor, num_selected: torch.Tensor):
     """Triton ``reindex_subtree``: gather the kept rows (``pool_index [B,M] int64`` ascending, -1 padded) of
     ``tokens [B,N] int64``, ``parents/depth [B,N] int32`` into ``(tokens [B,M] int64, parents [B,M] int32,
-    depth [B,M] int32, num_nodes [B] int32)``; equal to the reference. No host synchronisation."""
+    depth [B,M] int32, num_nodes [B] int32)``; equal to the reference. No host synchronisation.
+
+    Out-of-contract ``pool_index`` (not ascending, entries ``>= N``): unspecified output, never an
+    out-of-bounds access; an entry outside ``[0, N)`` gives a padding row."""
     B, N = tokens.shape
     M = pool_index.shape[1]
     dev = tokens.device

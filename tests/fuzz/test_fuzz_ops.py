@@ -17,14 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases  # noqa: E402
 import runner  # noqa: E402
 
-_REACH = "Triton propagate_reach kernel (taps_kernels/triton/propagate_reach.py) loads parents[i] without clamping"
-_SELECT = "Triton select_subtree kernel (taps_kernels/triton/select_subtree.py) trusts num_nodes / parents unclamped"
 KNOWN = {
-    # validate="none" (what a GPU runs by default): out-of-range indices must be clamped in the kernel
-    "propagate_reach|parents|big|none": _REACH,
-    "propagate_reach|parents|max|none": _REACH,
-    "select_subtree|tree.num_nodes|big|none": _SELECT,
-    "select_subtree|tree.num_nodes|max|none": _SELECT,
     # non-finite contract of the Triton kernels
     "custom.tree_attention|q|posinf|check": "Triton tree attention: +inf in q gives a different NaN pattern in lse",
     "hyp|score_edges|0": "Triton score_edges: log(1 - child mass) is -inf on the reference and finite on Triton when "
