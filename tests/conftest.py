@@ -21,3 +21,12 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def _restore_grad_mode():
+    # Benchmark mains run in-process by smoke tests switch autograd off for their whole run; a test must
+    # never leave that switch to the tests after it.
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
