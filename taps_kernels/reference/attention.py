@@ -36,8 +36,9 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     * row b sees keys ``[0, p)`` and tree keys ``p + j`` whose bit j is set, ``j <= i`` (bits above the
       diagonal are ignored), with ``p = prefix_lens[b]`` clamped to ``[0, L - N]`` (the public op rejects
       values outside; the GPU kernels clamp, so every backend gives this result);
-    * ``lse`` is the natural-log sum of ``exp(scale * q.k)`` over the visible keys; NaN when q, the scale or
-      a visible key's k is NaN; ``-inf`` when no key is visible, and then ``out`` is 0;
+    * ``lse`` is the natural-log sum of ``exp(scale * q.k)`` over the visible keys; NaN when the scale or a
+      visible key's k is NaN; ``-inf`` when no key is visible, and then ``out`` is 0;
+    * a NaN or ±inf anywhere in a row's q makes that row's ``out`` and ``lse`` NaN (visible keys or not);
     * ``out[.., c]`` is NaN when a visible key's ``v[c]`` is NaN or ±inf (or when lse is NaN); keys a row
       does not see never change its output, whatever they hold.
     """
@@ -59,4 +60,7 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if not bool(finite.all()):  # 0 * inf would leak invisible values: count the visible non-finite ones instead
         hits = torch.einsum("bnl,bhld->bhnd", visible.float(), (~finite).float())
         out = out.masked_fill(hits > 0, float("nan"))
+    q_bad = ~torch.isfinite(q.float()).all(dim=-1)  # [B,Hq,N]; applied unconditionally: no host sync
+    out = out.masked_fill(q_bad[..., None], float("nan"))
+    lse = lse.masked_fill(q_bad, float("nan"))
     return out.to(q.dtype), lse

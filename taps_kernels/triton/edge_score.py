@@ -194,7 +194,7 @@ def _edge_logits_kernel(tokens_ptr, parents_ptr, depth_ptr, logq_ptr, step_ptr, 
 def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr, seg_max_ptr, seg_sum_ptr,
                                 edge_logq_ptr, other_logq_ptr, reach_ptr, N,
                                 NORMALISE: tl.constexpr, BLOCK: tl.constexpr):
-    # parents/depth [B,N] i32; l_edge/l_other [B,N] f32 (NORMALISE) or l_edge = step_logq (marginal model);
+    # parents/depth [B,N] i32; l_edge/l_other [B,N] f32 (NORMALISE) or step_logq / exp(step_logq) (marginal model);
     # scratch seg_max [B,N] f32, seg_sum [B,N] int64 (zeroed by the host); outputs [B,N] f32.
     b = tl.program_id(0)
     base = b.to(tl.int64) * N
@@ -224,19 +224,19 @@ def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr,
             mx = tl.load(seg_max_ptr + base + r, mask=real, other=0.0)
             tl.atomic_add(seg_sum_ptr + base + r, (tl.exp(lo - mx) * 1099511627776.0).to(tl.int64), mask=real)
         tl.debug_barrier()
-    # children's terms: exp(l - max) of the scorer, or the marginal probabilities exp(step_logq)
-    for t0 in range(0, N, BLOCK):
-        r = t0 + tl.arange(0, BLOCK)
-        rm = r < N
-        par = tl.load(parents_ptr + base + r, mask=rm, other=-1)
-        edge_ok = rm & (par >= 0)
-        pu = tl.minimum(tl.maximum(par, 0), N - 1)
-        le = tl.load(l_edge_ptr + base + r, mask=edge_ok, other=0.0)
-        if NORMALISE:
+    if NORMALISE:
+        # children's terms exp(l - max), summed in fixed point (order-independent atomics)
+        for t0 in range(0, N, BLOCK):
+            r = t0 + tl.arange(0, BLOCK)
+            rm = r < N
+            par = tl.load(parents_ptr + base + r, mask=rm, other=-1)
+            edge_ok = rm & (par >= 0)
+            pu = tl.minimum(tl.maximum(par, 0), N - 1)
+            le = tl.load(l_edge_ptr + base + r, mask=edge_ok, other=0.0)
             le = le - tl.load(seg_max_ptr + base + pu, mask=edge_ok, other=0.0)
-        term = tl.where(edge_ok, tl.exp(le), 0.0)
-        tl.atomic_add(seg_sum_ptr + base + pu, (term * 1099511627776.0).to(tl.int64), mask=edge_ok)
-    tl.debug_barrier()
+            term = tl.where(edge_ok, tl.exp(le), 0.0)
+            tl.atomic_add(seg_sum_ptr + base + pu, (term * 1099511627776.0).to(tl.int64), mask=edge_ok)
+        tl.debug_barrier()
     for t0 in range(0, N, BLOCK):
         r = t0 + tl.arange(0, BLOCK)
         rm = r < N
@@ -245,8 +245,8 @@ def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr,
         real = rm & ((r == 0) | (par >= 0))
         pu = tl.minimum(tl.maximum(par, 0), N - 1)
         le = tl.load(l_edge_ptr + base + r, mask=edge_ok, other=0.0)
-        own_sum = tl.load(seg_sum_ptr + base + r, mask=real, other=0).to(tl.float32) * (1.0 / 1099511627776.0)
         if NORMALISE:
+            own_sum = tl.load(seg_sum_ptr + base + r, mask=real, other=0).to(tl.float32) * (1.0 / 1099511627776.0)
             par_sum = tl.load(seg_sum_ptr + base + pu, mask=edge_ok, other=1099511627776).to(tl.float32)
             par_lz = tl.load(seg_max_ptr + base + pu, mask=edge_ok, other=0.0) + tl.log(
                 par_sum * (1.0 / 1099511627776.0))
@@ -255,7 +255,15 @@ def _normalise_propagate_kernel(parents_ptr, depth_ptr, l_edge_ptr, l_other_ptr,
             own_mx = tl.load(seg_max_ptr + base + r, mask=real, other=0.0)
             o = lo - own_mx - tl.log(tl.where(real, own_sum, 1.0))
         else:
+            # marginal model: 1 - sum exp(step_logq) is ill-conditioned when the children cover the position, so
+            # the children's mass is summed in float32 in node order, as the reference's scatter_add does (a
+            # serial loop over the N nodes per tile of parents), of the probabilities torch computed (l_other)
             e = le
+            own_sum = tl.zeros([BLOCK], dtype=tl.float32)
+            for c in range(0, N):
+                pc = tl.load(parents_ptr + base + c)
+                tc = tl.load(l_other_ptr + base + c)
+                own_sum = tl.where(r == pc, own_sum + tc, own_sum)
             o = tl.log(tl.maximum(1.0 - own_sum, 0.0))
         e = tl.where(r == 0, 0.0, tl.where(edge_ok, e, float("-inf")))
         o = tl.where(real, o, float("-inf"))
@@ -351,7 +359,8 @@ def score_edges_triton(pool, weights, token_embeddings, drafter_hidden):
         return edge_logq, other_logq, log_reach
     if weights is None:
         step = pool.step_logq.float().contiguous()
-        _normalise_propagate_kernel[(B,)](parents, depth, step, step, seg_max, seg_sum, edge_logq, other_logq,
+        # l_other carries exp(step_logq) from torch: the reference's exp, bit for bit (see the kernel)
+        _normalise_propagate_kernel[(B,)](parents, depth, step, step.exp(), seg_max, seg_sum, edge_logq, other_logq,
                                           log_reach, N, NORMALISE=False, BLOCK=NORM_BLOCK, num_warps=4)
         return edge_logq, other_logq, log_reach
 

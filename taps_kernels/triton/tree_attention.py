@@ -23,8 +23,8 @@ Safety on any VALUES (nothing here reads tensor data on the host): ``prefix_lens
 ``[0, L - N]`` inside the kernel and every load is masked, so no value can address memory outside
 q/k/v/bits. Shapes and dtypes are checked by the launcher.
 
-Non-finite values (the reference does the same): a row's output and lse are NaN when q, the scale or
-the k of a key it sees is NaN; a NaN or ±inf in the v of a key it sees makes that output column NaN.
+Non-finite values (the reference does the same): a row's output and lse are NaN when its q holds a NaN or
+±inf (whether or not it sees any key), or when the scale or the k of a key it sees is NaN; a NaN or ±inf in the v of a key it sees makes that output column NaN.
 Keys a row does not see never affect it, tree keys included: tree tiles keep non-finite v values out
 of ``tl.dot`` (where ``p = 0`` would still give ``0 * NaN``), and a separate pass, run only when a tree
 tile held one, marks the columns of the rows that see it. A row with no visible key (possible only
@@ -134,6 +134,8 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bits_ptr, plen_ptr, out_ptr, lse
     b64 = b.to(tl.int64)
     q_off = b64 * sqb + qh[:, None].to(tl.int64) * sqh + node[:, None].to(tl.int64) * sqn + d[None, :] * sqd
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dm[None, :], other=0.0)
+    # a non-finite q entry makes the whole row NaN (inf * k alone would give a pattern that depends on k's signs)
+    q_bad = tl.sum(tl.where(tl.abs(q.to(tl.float32)) < float("inf"), 0, 1), 1) > 0
     k_base = k_ptr + b64 * skb + hk.to(tl.int64) * skh
     v_base = v_ptr + b64 * svb + hk.to(tl.int64) * svh
     # clamp: no prefix_len VALUE can move the key range outside [0, L)
@@ -176,6 +178,8 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bits_ptr, plen_ptr, out_ptr, lse
     out = acc / l_div[:, None]
     out = tl.where(tl.abs(out) == float("inf"), float("nan"), out)  # a non-finite v seen in the prefix: NaN too
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_div)) * _LN2)
+    out = tl.where(q_bad[:, None], float("nan"), out)
+    lse = tl.where(q_bad, float("nan"), lse)
     o_off = (b64 * sob + qh[:, None].to(tl.int64) * soh + split.to(tl.int64) * sos + node[:, None].to(tl.int64) * son
              + d[None, :])
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
