@@ -119,6 +119,18 @@ def portable_path(path: PathLike) -> str:
     return f"<external>/{p.name}"
 
 
+def portable_record(obj):
+    """A JSON-able record (dicts, lists, strings) with every absolute-path string made portable
+    (:func:`portable_path`): what training and data scripts write into their configs and manifests."""
+    if isinstance(obj, dict):
+        return {k: portable_record(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable_record(v) for v in obj]
+    if isinstance(obj, Path) or (isinstance(obj, str) and obj.startswith(("/", "~/"))):
+        return portable_path(obj)
+    return obj
+
+
 def portable_command(argv) -> str:
     """A command line for records: every argument that is an absolute path (alone or after ``--flag=``)
     goes through :func:`portable_path`."""

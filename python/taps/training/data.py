@@ -40,6 +40,7 @@ import torch
 
 from taps.models.drafter import default_target_layer_ids
 from taps.models.target import apply_chat_template, load_target
+from taps.paths import portable_command, portable_record
 from taps.training.prompts import build_prompts
 
 
@@ -225,7 +226,8 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
                           max_tokens=cfg.magpie_max_tokens, batch_size=2 * cfg.batch_size, seed=cfg.seed)
     conf = {k: v for k, v in asdict(cfg).items() if k not in ("deadline",)}
     conf["layer_ids"] = layer_ids
-    manifest = {"config": conf, "command": command or " ".join(sys.argv), "num_target_layers": nl,
+    manifest = {"config": portable_record(conf), "command": command or portable_command(sys.argv),
+                "num_target_layers": nl,
                 "hidden_size": model.config.hidden_size, "layer_ids": layer_ids, "num_shards": nshards,
                 "code_per_shard": n_code, "chat_per_shard": n_chat, "prompt_mode": "chat",
                 "feat_dtype": cfg.feat_dtype, "eval_filter_dropped": dropped, "format": 2}

@@ -30,6 +30,7 @@ from typing import List, Optional
 import torch
 
 from taps.models.drafter import check_compatible, load_drafter
+from taps.paths import portable_path
 from taps.training.train import ShardData, make_batch
 
 
@@ -98,7 +99,7 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
                     by_kind.setdefault(kind, []).append(t)
     pos_acc = (hits / cnt.clamp(min=1)).tolist()
     res = {
-        "drafter": str(drafter_dir), "data": str(data), "shards": shards, "sequences": n, "blocks": len(taus),
+        "drafter": portable_path(drafter_dir), "data": portable_path(data), "shards": shards, "sequences": n, "blocks": len(taus),
         "tau": round(sum(taus) / max(1, len(taus)), 4),
         "pos_acc": [round(a, 4) for a in pos_acc],
         "tau_by_kind": {k: {"tau": round(sum(v) / len(v), 4), "blocks": len(v)} for k, v in sorted(by_kind.items())},

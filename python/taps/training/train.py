@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from taps.models.drafter import DFlashConfig, DFlashDrafter
+from taps.paths import portable_record
 
 DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2 '<empty_output>': a special token never produced in chat
 
@@ -416,8 +417,9 @@ def train_drafter(cfg: TrainConfig):
         print(f"resumed from {ck} at step {step}", flush=True)
     weights = position_weights(block_size, gamma)
     nparams = sum(p.numel() for p in drafter.parameters())
-    (outp / "train_config.json").write_text(json.dumps(dict(asdict(tcfg), holdout_shards=holdout, mask_token_id=mask_id,
-                                                            params=nparams, drafter_config=cfg.to_dict()), indent=1))
+    (outp / "train_config.json").write_text(json.dumps(portable_record(dict(
+        asdict(tcfg), holdout_shards=holdout, mask_token_id=mask_id, params=nparams, drafter_config=cfg.to_dict())),
+        indent=1))
     log = open(outp / "train_log.jsonl", "a")
     print(f"drafter params {nparams/1e6:.2f}M, train seqs {len(ds)}, tokens {ds.token_counts()}", flush=True)
     pbar = tqdm(total=steps, initial=step, desc="train-drafter", unit="step")
@@ -497,6 +499,6 @@ def train_drafter(cfg: TrainConfig):
     pbar.close()
     summary = {"step": step, "train_seconds": round(extra["train_seconds"], 1), "blocks_seen": extra["blocks_seen"],
                "rows_seen": extra["rows_seen"], "train_seqs": len(ds), "tokens_all_response": ds.token_counts()}
-    (outp / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    (outp / "train_summary.json").write_text(json.dumps(portable_record(summary), indent=1))
     print(json.dumps(summary), flush=True)
     return drafter
