@@ -5,7 +5,7 @@ Import as ``from helpers import ...`` (``tests/`` is on ``sys.path`` under pytes
 from __future__ import annotations
 
 import random
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -45,8 +45,10 @@ def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int, stops: Iterable
     return out[0, len(prompt):].tolist()
 
 
-def make_tree(rows, N: int) -> Tree:
-    """A padded batch Tree from ``[(parents, tokens), ...]`` rows (parents[0] = -1, topological order)."""
+def make_tree(rows, N: Optional[int] = None) -> Tree:
+    """A padded batch Tree from ``[(parents, tokens), ...]`` rows (parents[0] = -1, topological order), padded to
+    ``N`` rows (default: the longest row)."""
+    N = N or max(len(p) for p, _ in rows)
     B = len(rows)
     tokens = torch.zeros(B, N, dtype=torch.int64)
     parents = torch.full((B, N), -1, dtype=torch.int32)

@@ -22,6 +22,8 @@ import taps_kernels as tk
 from taps_kernels import backend as bk
 from taps_kernels.layout import Tree, validate_tree
 
+from helpers import make_tree, random_tree
+
 CPU = torch.device("cpu")
 _WHY = bk.unavailable_reason("cpp", CPU)
 pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"C++ backend unavailable: {_WHY}")
@@ -49,36 +51,6 @@ def assert_all_same(xs, ys, what=""):
     assert len(xs) == len(ys)
     for k, (x, y) in enumerate(zip(xs, ys)):
         assert_same(x, y, f"{what}[{k}]")
-
-
-def make_tree(rows, N=None):
-    """``rows``: per batch row ``(parents, tokens)`` lists of the real nodes; padded to ``N`` rows."""
-    N = N or max(len(p) for p, _ in rows)
-    B = len(rows)
-    tokens = torch.zeros(B, N, dtype=torch.int64)
-    parents = torch.full((B, N), -1, dtype=torch.int32)
-    depth = torch.zeros(B, N, dtype=torch.int32)
-    num_nodes = torch.zeros(B, dtype=torch.int32)
-    for b, (par, tok) in enumerate(rows):
-        d = [0] * len(par)
-        for i in range(1, len(par)):
-            d[i] = d[par[i]] + 1
-        n = len(par)
-        parents[b, :n] = torch.tensor(par, dtype=torch.int32)
-        depth[b, :n] = torch.tensor(d, dtype=torch.int32)
-        tokens[b, :n] = torch.tensor(tok, dtype=torch.int64)
-        num_nodes[b] = n
-    return Tree(tokens, parents, depth, num_nodes)
-
-
-def random_tree(rng: random.Random, B: int, N: int, vocab: int = 50, full: bool = False) -> Tree:
-    rows = []
-    for b in range(B):
-        n = N if (full or b == 0) else rng.randint(1, N)
-        # Mix bushy (any earlier node) and deep (a recent node) parents.
-        par = [-1] + [rng.randrange(i) if rng.random() < 0.5 else rng.randrange(max(0, i - 3), i) for i in range(1, n)]
-        rows.append((par, [rng.randrange(vocab) for _ in range(n)]))
-    return make_tree(rows, N)
 
 
 @st.composite
