@@ -43,6 +43,25 @@ def taps_policy():
                       latency=latency)
 
 
+@pytest.mark.parametrize("spec,positions", [("ddtree:2", 2), ("ddtree:64", None), ("dflash", None)])
+def test_drafter_projects_only_the_positions_the_policy_can_reach(models, spec, positions, monkeypatch):
+    # A DDTree of budget B is at most B deep: the loop asks the drafter for B positions only (None: all D).
+    target, drafter = models
+    asked = []
+    real = type(drafter).draft
+
+    def draft(self, *args, **kwargs):
+        asked.append(kwargs.get("num_positions"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(drafter), "draft", draft)
+    prompt = [3, 14, 15, 9, 26]
+    res = SpeculativeDecoder(target, make_policy(spec), drafter=drafter).generate(prompt, 12)
+    assert res.token_ids == hf_greedy(target, prompt, 12)
+    D = drafter.block_size - 1
+    assert asked and set(asked) == {positions if positions is not None else D}
+
+
 @pytest.mark.parametrize("batch", [1, 2, 3, 8])
 @pytest.mark.parametrize("spec", ["ddtree:4", "dflash"])
 def test_batch_equals_hf_generate_and_batch_one(models, spec, batch):

@@ -342,7 +342,9 @@ class BatchDecoder:
         if not drafted:
             return BuiltTree(root_only_tree(bonus))
         with timer("draft"):
-            logits, hidden = self.drafter.draft(self._state, bonus, self._embed, self._head, rows=state_rows)
+            positions = self.policy.draft_positions(self.drafter.block_size - 1)
+            logits, hidden = self.drafter.draft(self._state, bonus, self._embed, self._head, rows=state_rows,
+                                                num_positions=positions)
         return self.policy.build(logits, hidden, bonus, depth_cap, timer, rows)
 
     def _choose(self, logits: torch.Tensor, rows: List[Optional[_Row]]) -> torch.Tensor:

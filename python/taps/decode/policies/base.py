@@ -90,6 +90,11 @@ class TreePolicy:
     def reset(self) -> None:
         """Hook called by the decoder when a new batch starts (per-run state goes here)."""
 
+    def draft_positions(self, num_positions: int) -> int:
+        """How many of the drafter's ``num_positions`` block positions this policy's trees can reach; the loop
+        projects only those onto the vocabulary (the rest would cost head time and never be used)."""
+        return num_positions
+
     def wants_draft(self) -> bool:
         """Whether the coming round runs the drafter (for the whole batch); False: every row verifies its
         root alone."""

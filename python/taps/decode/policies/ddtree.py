@@ -23,6 +23,10 @@ class DDTreePolicy(TreePolicy):
     def __init__(self, budget: int = DEFAULT_BUDGET):
         self.budget = budget
 
+    def draft_positions(self, num_positions: int) -> int:
+        # a tree of ``budget`` non-root nodes is at most ``budget`` deep
+        return min(self.budget, num_positions)
+
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         timer = timer or NO_TIMER
         with timer("pool"):
