@@ -35,7 +35,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from .common import CLIError, encode_prompt, policy_from_args, stop_token_ids
+from .common import CLIError, add_turn, encode_prompt, policy_from_args, stop_token_ids
 
 
 # --- progress -------------------------------------------------------------------------------------------------------
@@ -162,19 +162,8 @@ def run_batch(dec, tok, items, max_new_tokens: int, seed: int = 0, warmup: int =
         reqs = [Request(encode_prompt(tok, items[i].turns[k], raw=items[i].raw, history=histories[i]),
                         max_new_tokens, None, seed + k) for i in wave]
         for i, req, res in zip(wave, reqs, _drive(dec, reqs, tick)):
-            st, rec = res.stats, recs[i]
             answer = tok.decode(res.token_ids, skip_special_tokens=True)
-            rec["turns"].append({"prompt_len": len(req.prompt_ids), "token_ids": res.token_ids, "text": answer,
-                                 "stop_reason": res.stop_reason, "seconds": st.total_s, "rounds": st.num_rounds,
-                                 "tau": st.tau})
-            rec["new_tokens"] += len(res.token_ids)
-            rec["seconds"] += st.total_s
-            rec["rounds"] += st.num_rounds
-            rec["accept_lens"] += [r.accept_len for r in st.rounds]
-            rec["nodes"] += sum(r.nodes for r in st.rounds)
-            rec["drafted_rounds"] += sum(r.drafted for r in st.rounds)
-            for key, v in st.stage_totals().items():  # a round's stage times are the batch round's
-                rec["time_split"][key] = rec["time_split"].get(key, 0.0) + v
+            add_turn(recs[i], len(req.prompt_ids), res, answer)
             histories[i] += [{"role": "user", "content": items[i].turns[k]}, {"role": "assistant", "content": answer}]
     wall = time.perf_counter() - t0
     for rec in recs:

@@ -200,6 +200,23 @@ def check_fits(args, model, prompt_len: int) -> None:
         raise CLIError(f"prompt: {prompt_len} tokens do not fit the target's context of {ctx} tokens")
 
 
+def add_turn(rec: Dict, prompt_len: int, res, answer: str) -> None:
+    """Add one turn's :class:`GenerationResult` to a benchmark record (its ``turns`` list and running totals;
+    in a batch run the stage times are the batch rounds')."""
+    st = res.stats
+    rec["turns"].append({"prompt_len": prompt_len, "token_ids": res.token_ids, "text": answer,
+                         "stop_reason": res.stop_reason, "seconds": st.total_s, "rounds": st.num_rounds,
+                         "tau": st.tau})
+    rec["new_tokens"] += len(res.token_ids)
+    rec["seconds"] += st.total_s
+    rec["rounds"] += st.num_rounds
+    rec["accept_lens"] += [r.accept_len for r in st.rounds]
+    rec["nodes"] += sum(r.nodes for r in st.rounds)
+    rec["drafted_rounds"] += sum(r.drafted for r in st.rounds)
+    for key, v in st.stage_totals().items():
+        rec["time_split"][key] = rec["time_split"].get(key, 0.0) + v
+
+
 def run_item(decoder, tokenizer, item, max_new_tokens: int, seed: int = 0) -> Dict:
     """Run every turn of a :class:`taps.data.PromptItem` (turn k after the model's own earlier answers).
 
@@ -213,18 +230,7 @@ def run_item(decoder, tokenizer, item, max_new_tokens: int, seed: int = 0) -> Di
         ids = encode_prompt(tokenizer, text, raw=item.raw, history=history)
         res = decoder.generate(ids, max_new_tokens, seed=seed + k)
         answer = tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        st = res.stats
-        out["turns"].append({"prompt_len": len(ids), "token_ids": res.token_ids, "text": answer,
-                             "stop_reason": res.stop_reason, "seconds": st.total_s, "rounds": st.num_rounds,
-                             "tau": st.tau})
-        out["new_tokens"] += len(res.token_ids)
-        out["seconds"] += st.total_s
-        out["rounds"] += st.num_rounds
-        out["accept_lens"] += [r.accept_len for r in st.rounds]
-        out["nodes"] += sum(r.nodes for r in st.rounds)
-        out["drafted_rounds"] += sum(r.drafted for r in st.rounds)
-        for key, v in st.stage_totals().items():
-            out["time_split"][key] = out["time_split"].get(key, 0.0) + v
+        add_turn(out, len(ids), res, answer)
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
     out["tau"] = sum(out["accept_lens"]) / len(out["accept_lens"]) if out["accept_lens"] else 0.0
     out["tokens_per_s"] = out["new_tokens"] / out["seconds"] if out["seconds"] > 0 else 0.0

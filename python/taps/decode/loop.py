@@ -342,9 +342,8 @@ class BatchDecoder:
         if not drafted:
             return BuiltTree(root_only_tree(bonus))
         with timer("draft"):
-            positions = self.policy.draft_positions(self.drafter.block_size - 1)
             logits, hidden = self.drafter.draft(self._state, bonus, self._embed, self._head, rows=state_rows,
-                                                num_positions=positions)
+                                                num_positions=self.policy.draft_positions(self._draft_positions))
         return self.policy.build(logits, hidden, bonus, depth_cap, timer, rows)
 
     def _choose(self, logits: torch.Tensor, rows: List[Optional[_Row]]) -> torch.Tensor:
