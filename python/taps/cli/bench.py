@@ -12,8 +12,12 @@ defaults: both datasets, every DDTree budget, a temperature-1 run).
 * Batches: ``--batch-size B`` / ``--batch-sizes 1,2,4,8,16`` run every policy with B requests at once
   through the batched decoder (protocol and metrics: :mod:`.bench_batch`); the summary gains
   ``"batch": [{"dataset", "temperature", "prompts", "batch_sizes", "rows": [{policy, batch_size, ...}]}]``.
-  B = 1 is the single-request protocol above (its ``runs`` entry); ``--t1-policies`` and ``--hf-baseline``
-  apply to it only.
+  B = 1 is the single-request protocol above (its ``runs`` entry); ``--t1-policies``, ``--hf-baseline`` and
+  ``--hf-prompt-lookup`` apply to it only.
+* HF baselines (greedy runs only): ``--hf-baseline`` times HF ``generate(do_sample=False)`` on every prompt
+  (row ``hf``); ``--hf-prompt-lookup N`` times HF's prompt-lookup decoding with ``prompt_lookup_num_tokens=N``
+  (row ``hf-pld:N``), the speculative baseline that needs no drafter. Both see our AR's prompts and turn
+  history and the same stop tokens, and are checked token for token against AR.
 * Output: one JSON line per (prompt, policy[, batch size]) on stdout (or ``--jsonl FILE``), a table per run
   on stderr, progress bars on stderr (tqdm when installed; ``--quiet`` turns them off), and with ``--out``
   the summary ``{"config": {...}, "runs": [{"dataset", "temperature", "prompts", "policies": {spec:
@@ -67,6 +71,9 @@ def _add_flags(p, suite: bool) -> None:
                    help="write the JSON summary here")
     p.add_argument("--jsonl", default=None, help="write per-prompt records here instead of stdout")
     p.add_argument("--hf-baseline", action="store_true", help="greedy runs: also time HF generate(do_sample=False)")
+    p.add_argument("--hf-prompt-lookup", type=positive_int, default=None, metavar="N",
+                   help="greedy runs: also time HF generate with prompt-lookup decoding, prompt_lookup_num_tokens=N "
+                        "(row hf-pld:N; default off)")
     p.add_argument("--warmup", type=int, default=1, help="short warm-up generations per policy (default 1)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="run each policy with this many requests at once (batched decoder, continuous batching)")
@@ -107,23 +114,44 @@ def build_decoders(model, tok, drafter, specs: List[str], sampling, args=None):
     return decoders
 
 
+def hf_pld_name(num_tokens: int) -> str:
+    """The row name of HF prompt-lookup decoding with ``prompt_lookup_num_tokens=num_tokens``."""
+    return f"hf-pld:{num_tokens}"
+
+
+def hf_rows(hf_baseline: bool, hf_prompt_lookup: Optional[int]) -> Dict[str, Optional[int]]:
+    """The HF baseline rows asked for, in run order: ``{row name: prompt_lookup_num_tokens}`` (None: plain
+    greedy ``generate``). ``hf_prompt_lookup`` must be None or an int >= 1."""
+    if hf_prompt_lookup is not None and (isinstance(hf_prompt_lookup, bool) or not isinstance(hf_prompt_lookup, int)
+                                         or hf_prompt_lookup < 1):
+        raise ValueError(f"hf_prompt_lookup: expected an integer >= 1 (or None), received {hf_prompt_lookup!r}")
+    rows: Dict[str, Optional[int]] = {"hf": None} if hf_baseline else {}
+    if hf_prompt_lookup is not None:
+        rows[hf_pld_name(hf_prompt_lookup)] = hf_prompt_lookup
+    return rows
+
+
 def run_suite(model, tok, decoders: Dict, items, max_new_tokens: int, seed: int = 0, warmup: int = 1,
-              hf_baseline: bool = False, on_record: Optional[Callable[[dict], None]] = None) -> Dict[str, List[dict]]:
+              hf_baseline: bool = False, on_record: Optional[Callable[[dict], None]] = None,
+              hf_prompt_lookup: Optional[int] = None) -> Dict[str, List[dict]]:
     """Run every item with every decoder (items outer, policies inner). Returns ``{policy: [record, ...]}``;
-    a record is :func:`run_item`'s dict plus ``identical_to_ar``; ``"hf"`` holds the HF baseline if asked."""
+    a record is :func:`run_item`'s dict plus ``identical_to_ar``; ``"hf"`` holds the HF baseline if asked,
+    ``"hf-pld:N"`` HF prompt-lookup decoding with ``prompt_lookup_num_tokens = hf_prompt_lookup`` (>= 1) if
+    asked. The HF rows run after the decoders on each prompt and carry no rounds or tau."""
     from taps.data import PromptItem
 
+    hf = hf_rows(hf_baseline, hf_prompt_lookup)
     greedy = all(dec.sampling.greedy for dec in decoders.values())
     warm = PromptItem("warmup", "warmup", ["Say hello."])
     for dec in decoders.values():
         for _ in range(warmup):
             run_item(dec, tok, warm, 8, seed=seed)
-    if hf_baseline and warmup:
-        hf_generate_item(model, tok, warm, 8, stop_token_ids(tok, model), ["hello"])
-    results: Dict[str, List[dict]] = {s: [] for s in decoders}
-    if hf_baseline:
-        results["hf"] = []
     stops = stop_token_ids(tok, model)
+    if warmup:
+        for n in hf.values():
+            hf_generate_item(model, tok, warm, 8, stops, ["hello"], prompt_lookup_num_tokens=n)
+    results: Dict[str, List[dict]] = {s: [] for s in decoders}
+    results.update({name: [] for name in hf})
     for item in items:
         ar_tokens = None
         for spec, dec in decoders.items():
@@ -138,12 +166,12 @@ def run_suite(model, tok, decoders: Dict, items, max_new_tokens: int, seed: int 
             results[spec].append(rec)
             if on_record:
                 on_record(rec)
-        if hf_baseline:
-            rec = hf_generate_item(model, tok, item, max_new_tokens, stops, ar_answers)
-            rec.update(id=item.id, source=item.source, policy="hf")
+        for name, n in hf.items():
+            rec = hf_generate_item(model, tok, item, max_new_tokens, stops, ar_answers, prompt_lookup_num_tokens=n)
+            rec.update(id=item.id, source=item.source, policy=name)
             rec["tokens_per_s"] = rec["new_tokens"] / rec["seconds"] if rec["seconds"] > 0 else 0.0
             rec["identical_to_ar"] = [t["token_ids"] for t in rec["turns"]] == ar_tokens if greedy else None
-            results["hf"].append(rec)
+            results[name].append(rec)
             if on_record:
                 on_record(rec)
     return results
@@ -225,13 +253,15 @@ def _summarize(results):
 
 
 def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log, on_partial=None,
-               hf_baseline=False, on_record=None, args=None):
+               hf_baseline=False, on_record=None, args=None, hf_prompt_lookup=None):
     """Run ``items`` x ``specs``; after every prompt (all policies) ``on_partial(summary, prompts_done)`` is
     called, so a run cut short still leaves a valid JSON of the prompts completed. ``hf_baseline``: also
-    time HF ``generate`` on every prompt (policy ``"hf"``); ``on_record(record)`` sees every record;
+    time HF ``generate`` on every prompt (policy ``"hf"``); ``hf_prompt_lookup``: also time HF prompt-lookup
+    decoding (policy ``"hf-pld:N"``); ``on_record(record)`` sees every record;
     ``args`` carries the policies' options (``--scorer``, ``--pool-size``)."""
+    hf = hf_rows(hf_baseline, hf_prompt_lookup)
     decoders = build_decoders(model, tok, drafter, specs, sampling, args)
-    partial = {s: [] for s in specs + (["hf"] if hf_baseline else [])}
+    partial = {s: [] for s in specs + list(hf)}
 
     def show(rec):
         tau = f"tau {rec['tau']:.2f}" if "tau" in rec else "        "
@@ -254,7 +284,8 @@ def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed
         k = i % max(len(others), 1)
         order = (["ar"] if "ar" in decoders else []) + others[k:] + others[:k]
         res = run_suite(model, tok, {s: decoders[s] for s in order}, [item], max_new_tokens, seed=seed,
-                        warmup=warmup if i == 0 else 0, hf_baseline=hf_baseline, on_record=show)
+                        warmup=warmup if i == 0 else 0, hf_baseline=hf_baseline, on_record=show,
+                        hf_prompt_lookup=hf_prompt_lookup)
         for s, recs in res.items():
             results[s] += recs
     return _summarize(results)
@@ -341,7 +372,8 @@ def run(args) -> int:
                       "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
                       "seed": args.seed, "scorer": portable_path(scorer_dir()),
                       "order": "AR first, then the other policies rotated by one per prompt",
-                      "batch_sizes": batch_sizes,
+                      "batch_sizes": batch_sizes, "hf_baseline": args.hf_baseline,
+                      "hf_prompt_lookup": args.hf_prompt_lookup,
                       "latency_table": portable_path(os.environ["TAPS_LATENCY"]) if os.environ.get("TAPS_LATENCY")
                       else "$TAPS_CACHE/latency (per machine and model)",
                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -357,9 +389,11 @@ def run(args) -> int:
         sink.write(json.dumps({k: v for k, v in rec.items() if k != "accept_lens"}) + "\n")
         sink.flush()
 
-    def block(ds, items, run_specs, run_sampling, warmup, hf, records=None):
-        log(f"== {ds}: {len(items)} prompts, temperature {run_sampling.temperature:g}, policies {', '.join(run_specs)}")
-        bar = Progress(len(items) * (len(run_specs) + bool(hf)), f"{ds} B=1", "gen", enabled=not args.quiet)
+    def block(ds, items, run_specs, run_sampling, warmup, hf, records=None, pld=None):
+        hf_names = list(hf_rows(hf, pld))
+        log(f"== {ds}: {len(items)} prompts, temperature {run_sampling.temperature:g}, policies "
+            f"{', '.join(run_specs + hf_names)}")
+        bar = Progress(len(items) * (len(run_specs) + len(hf_names)), f"{ds} B=1", "gen", enabled=not args.quiet)
 
         def on_record(rec):
             if batch_sizes is not None:
@@ -380,7 +414,7 @@ def run(args) -> int:
         try:
             summ = _run_block(model, tok, drafter, run_specs, items, run_sampling, args.max_new_tokens, args.seed,
                               warmup, bar.write, on_partial=partial, hf_baseline=hf, on_record=on_record,
-                              args=args)
+                              args=args, hf_prompt_lookup=pld)
         finally:
             bar.close()
         run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
@@ -391,6 +425,11 @@ def run(args) -> int:
             hfs, ar = summ["hf"], summ["ar"]
             log(f"HF generate: {hfs['tokens_per_s_median']:.2f} tok/s median vs our AR {ar['tokens_per_s_median']:.2f} "
                 f"(our AR speed / HF speed, time per token: {1 / hfs['speedup']:.3f})")
+        name = hf_pld_name(pld) if pld is not None else None
+        if name in summ and summ[name].get("speedup") and "ar" in summ:
+            s, ar = summ[name], summ["ar"]
+            log(f"HF prompt lookup ({name}): {s['tokens_per_s_median']:.2f} tok/s median vs our AR "
+                f"{ar['tokens_per_s_median']:.2f} (speedup over our AR, time per token: {s['speedup']:.3f}x)")
         return run
 
     def batch_block(ds, items):
@@ -402,7 +441,9 @@ def run(args) -> int:
         runs = []
         if 1 in batch_sizes:
             records = []
-            runs.append(block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy, records))
+            # the HF rows are single-request baselines: B = 1 only, and not rows of the batch table
+            runs.append(block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy, records,
+                              pld=args.hf_prompt_lookup if sampling.greedy else None))
             reference = {r["id"]: [t["token_ids"] for t in r["turns"]] for r in records if r["policy"] == "ar"}
             sweep["rows"] += [row_from_single(s, [r for r in records if r["policy"] == s]) for s in specs]
         for j, B in enumerate(b for b in batch_sizes if b > 1):
@@ -438,10 +479,13 @@ def run(args) -> int:
         log(format_batch_table(sweep["rows"]))
         return runs
 
+    if batch_sizes is not None and 1 not in batch_sizes and (args.hf_baseline or args.hf_prompt_lookup):
+        log("--hf-baseline / --hf-prompt-lookup: single-request baselines, run only when --batch-sizes includes 1")
     t_start = time.time()
     try:
         if batch_sizes is None:
-            first = [block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy)
+            first = [block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy,
+                           pld=args.hf_prompt_lookup if sampling.greedy else None)
                      for ds, items in datasets.items()]
         else:
             first = [r for ds, items in datasets.items() for r in batch_block(ds, items)]

@@ -237,9 +237,21 @@ def run_item(decoder, tokenizer, item, max_new_tokens: int, seed: int = 0) -> Di
     return out
 
 
-def hf_generate_item(model, tokenizer, item, max_new_tokens: int, stop_ids: List[int], answers: List[str]) -> Dict:
+def hf_generate_item(model, tokenizer, item, max_new_tokens: int, stop_ids: List[int], answers: List[str],
+                     prompt_lookup_num_tokens: Optional[int] = None) -> Dict:
     """Time HF ``generate(do_sample=False)`` on the same turns (turn k after ``answers[:k]``, the answers our
-    decoder gave, so both see identical prompts). Returns token ids per turn, new tokens and seconds."""
+    decoder gave, so both see identical prompts). Returns token ids per turn, new tokens and seconds.
+
+    ``prompt_lookup_num_tokens``: None for plain greedy ``generate``; an int >= 1 turns on HF's prompt-lookup
+    decoding (n-gram matches in the context proposed as up to that many draft tokens, verified by the target:
+    lossless under greedy decoding, no drafter needed)."""
+    extra = {}
+    if prompt_lookup_num_tokens is not None:
+        if isinstance(prompt_lookup_num_tokens, bool) or not isinstance(prompt_lookup_num_tokens, int) \
+                or prompt_lookup_num_tokens < 1:
+            raise ValueError(f"prompt_lookup_num_tokens: expected an integer >= 1 (or None), received "
+                             f"{prompt_lookup_num_tokens!r}")
+        extra["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
     history: List[dict] = []
     out = {"turns": [], "new_tokens": 0, "seconds": 0.0}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
@@ -250,7 +262,7 @@ def hf_generate_item(model, tokenizer, item, max_new_tokens: int, stop_ids: List
         with torch.inference_mode():
             gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
                                  max_new_tokens=max_new_tokens, eos_token_id=stop_ids or None, pad_token_id=pad,
-                                 temperature=None, top_p=None, top_k=None)
+                                 temperature=None, top_p=None, top_k=None, **extra)
         dt = time.perf_counter() - t0
         toks = gen[0, len(ids):].tolist()
         out["turns"].append({"token_ids": toks, "seconds": dt})
