@@ -93,15 +93,19 @@ def main(argv=None):
         d.append_context(st, feats)
         d.head_dtype = torch.bfloat16
         for P in (15, 8, 4):
-            for layout in ("full", "sub"):
+            for layout, block in (("full", "full"), ("sub", "full"), ("sub", "short")):
+                if block == "short" and P == drafter.config.block_size - 1:
+                    continue  # the short block of every position is the full block
                 d.full_vocab_logits = layout == "full"
+                d.short_blocks = block == "short"
                 med, mn, cpu = _time(lambda: d.draft(st, bonus, embed, head, num_positions=P), args.reps)
                 r = {"body": bname, "positions": P, "vocab": "draft", "vocab_size": int(vocab.numel()),
-                     "head_dtype": "bf16", "logits": layout, "median_ms": round(med, 2), "min_ms": round(mn, 2),
-                     "cpu_ms": round(cpu, 2)}
+                     "head_dtype": "bf16", "logits": layout, "block": block, "median_ms": round(med, 2),
+                     "min_ms": round(mn, 2), "cpu_ms": round(cpu, 2)}
                 body_rows.append(r)
-                print(f"body={bname:16s} P={P:2d} draft vocab, bf16 head, logits={layout:4s} median {med:6.2f} ms  "
-                      f"min {mn:6.2f} ms  cpu {cpu:6.2f} ms", flush=True)
+                print(f"body={bname:16s} P={P:2d} draft vocab, bf16 head, logits={layout:4s} block={block:5s} "
+                      f"median {med:6.2f} ms  min {mn:6.2f} ms  cpu {cpu:6.2f} ms", flush=True)
+        d.short_blocks = False
         if bname == "fp32_rows_linear":
             restore_linear(d)
     out = {"device": "cpu", "threads": 1, "cpu": platform.processor() or platform.machine(),

@@ -273,6 +273,32 @@ def test_num_positions_projects_only_the_first_positions():
             m.draft(st, torch.tensor([3]), emb, head, num_positions=bad)
 
 
+def test_short_blocks_draft_equals_the_training_forward_of_the_short_block():
+    """``short_blocks``: draft(num_positions=P) is the training forward over ``[bonus, MASK x P]``; at P = D it
+    is the full block; below D it differs from the full block's first P positions (the later MASK rows are
+    gone from the bidirectional attention)."""
+    m, emb, head = make(3)
+    D = m.config.block_size - 1
+    feats = torch.randn(1, 9, m.config.num_context_features)
+    st = m.new_state(1)
+    m.append_context(st, feats)
+    full, _ = m.draft(st, torch.tensor([3]), emb, head)
+    m.short_blocks = True
+    for P in (1, 2, D):
+        lo, h = m.draft(st, torch.tensor([3]), emb, head, num_positions=P)
+        assert lo.shape == (1, P, m.config.vocab_size) and h.shape == (1, P, m.config.hidden_size)
+        block = torch.full((1, 1, P + 1), m.mask_token_id)
+        block[0, 0, 0] = 3
+        with torch.no_grad():
+            ref = head(m.forward_blocks(feats, block, torch.tensor([[9]]), emb)[:, 0, 1:])
+        torch.testing.assert_close(lo, ref, atol=1e-4, rtol=1e-4)
+        if P == D:
+            torch.testing.assert_close(lo, full, atol=1e-5, rtol=1e-5)
+        else:
+            assert not torch.allclose(lo, full[:, :P], atol=1e-4)
+    assert st.length == 9  # the state is not modified
+
+
 @pytest.mark.parametrize("head_dtype,tol", [(None, 1e-6), (torch.bfloat16, 1e-2)])
 def test_draft_vocab_logits_are_the_full_logits_restricted(head_dtype, tol):
     """Full-size layout: the draft-vocabulary columns equal the full projection (same dtype, up to the

@@ -38,6 +38,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(DTYPES),
                    help="dtype of the drafter's vocabulary projection (auto: bfloat16 on CPUs with native bf16, "
                         "else the target's; proposals only, outputs are unchanged)")
+    p.add_argument("--short-blocks", action="store_true",
+                   help="a policy drafting P < block_size-1 positions runs the drafter block [bonus, MASK x P] "
+                        "instead of the trained one (cheaper layers; proposals change slightly, outputs do not)")
     p.add_argument("--linear-kernel", default="auto", choices=("auto", "torch"),
                    help="target linear layers (auto: the few-row C++ kernel for AR steps and tree verifies on "
                         "AVX-512 CPUs, torch's linear elsewhere; torch: torch's linear everywhere)")
@@ -153,6 +156,7 @@ def load_drafter_cli(args, target_model):
     drafter = drafter.to(device=emb.device, dtype=emb.dtype).eval()
     choice = getattr(args, "draft_head_dtype", "auto")
     drafter.head_dtype = drafter_mod.fast_head_dtype(emb.device) if choice == "auto" else DTYPES[choice]
+    drafter.short_blocks = bool(getattr(args, "short_blocks", False))
     return drafter
 
 

@@ -74,7 +74,8 @@ def _cmd_eval(args):
     res = eval_drafter(args.drafter, args.data, target=args.target, shards=_int_list(args.shards),
                        max_seqs=args.max_seqs, anchors_per_seq=args.anchors_per_seq, seed=args.seed,
                        out_json=args.out_json, threads=args.threads, use_draft_vocab=args.draft_vocab,
-                       dtype=getattr(torch, args.dtype))
+                       dtype=getattr(torch, args.dtype), block_positions=args.block_positions,
+                       short_blocks=args.short_blocks)
     print(json.dumps(res, indent=1))
     return 0
 
@@ -164,6 +165,10 @@ def add_subcommands(subparsers):
     p.add_argument("--draft-vocab", action="store_true",
                    help="argmax over the drafter's draft vocabulary (as decoding proposes) instead of the full one")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="drafter body dtype")
+    p.add_argument("--block-positions", type=int, default=None,
+                   help="count block positions 1..P only (what a policy drafting P positions can accept)")
+    p.add_argument("--short-blocks", action="store_true",
+                   help="with --block-positions P: run the block [bonus, MASK x P] instead of the trained block")
     p.set_defaults(func=_cmd_eval)
     return subparsers
 

@@ -613,7 +613,8 @@ class DFlashDrafter(nn.Module):
         place: without a mask when all rows have the same (host-known) context length, else with a boolean
         key-padding mask. ``rows``: a contiguous ``slice`` of state rows.
         ``num_positions`` P (default D): only block positions ``1..P`` are normed and projected onto the
-        vocabulary (a policy that never uses deeper positions passes its depth cap).
+        vocabulary (a policy that never uses deeper positions passes its depth cap); with
+        :attr:`short_blocks` the block itself is ``[bonus, MASK x P]``.
         Returns ``(logits [B,P,V] float32, hidden [B,P,H])`` for block positions ``1..P`` (with a draft
         vocabulary: ``-inf`` outside it, or ``[B,P,V_draft]`` when :attr:`full_vocab_logits` is False). The state's
         lengths and context rows are not modified (the block's K/V go to scratch rows past each length).
@@ -621,7 +622,11 @@ class DFlashDrafter(nn.Module):
         c = self.config
         B = bonus_tokens.shape[0]
         sl = self._rows(state, rows, B, "bonus_tokens")
-        S = c.block_size
+        D = c.block_size - 1
+        P = D if num_positions is None else int(num_positions)
+        if not 1 <= P <= D:
+            raise ValueError(f"num_positions: expected 1..{D} (block_size-1), received {num_positions}")
+        S = P + 1 if self.short_blocks else c.block_size
         dev = self.fc.weight.device
         self._reserve(state, state.bound)
         ids = torch.full((B, S), self.mask_token_id, dtype=torch.long, device=dev)
@@ -639,13 +644,15 @@ class DFlashDrafter(nn.Module):
             key_mask = (torch.arange(kv_len, device=dev)[None, :] < (lengths + S)[:, None])[:, None, None, :]
         for l, layer in enumerate(self.layers):
             x = layer.forward_cached(x, cos, sin, state.k_buf[l][sl], state.v_buf[l][sl], index, kv_len, key_mask)
-        D = S - 1
-        P = D if num_positions is None else int(num_positions)
-        if not 1 <= P <= D:
-            raise ValueError(f"num_positions: expected 1..{D} (block_size-1), received {num_positions}")
         # only the positions the caller can use go through the final norm and the vocabulary head
         hidden = self.norm(x[:, 1:1 + P])
         return self._vocab_logits(hidden, lm_head), hidden
+
+    #: True: ``draft(num_positions=P)`` runs the block ``[bonus, MASK x P]`` (P + 1 rows) instead of the trained
+    #: ``block_size`` rows, so the layers cost about (P + 1) / block_size as much. The proposals can differ
+    #: from the full block's (its later MASK rows are absent from the block's bidirectional attention;
+    #: ``eval-drafter --block-positions P --short-blocks`` measures the acceptance); decoding stays lossless.
+    short_blocks: bool = False
 
     #: reduced draft vocabulary (sorted int64 ids, see :meth:`set_draft_vocab`), or None (full vocabulary)
     draft_vocab: Optional[torch.Tensor] = None

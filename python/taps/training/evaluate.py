@@ -15,6 +15,10 @@ Metrics:
 * the same split by prompt kind (complete / write / explain / continue / module / chat), and by the two
   prompt families: ``code`` (the local code-prompt pipeline, every kind but chat) and ``chat`` (Magpie).
 
+``block_positions`` P: only block positions ``1..P`` count (tau at most P + 1: what a policy that drafts P
+positions can accept); with ``short_blocks`` the block run is ``[x[a], MASK x P]`` instead of the trained
+``block_size`` rows (:attr:`taps.models.drafter.DFlashDrafter.short_blocks`).
+
 ``use_draft_vocab``: the argmax runs over the drafter's draft vocabulary (what decoding proposes when
 one is set); default the full vocabulary. ``dtype``: the drafter body's dtype (bf16 measures what a
 bf16 drafter proposes; the LM head stays in its own dtype).
@@ -38,7 +42,8 @@ from taps.training.train import ShardData, make_batch
 def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: Optional[List[int]] = None,
                  max_seqs: int = 96, anchors_per_seq: int = 16, seed: int = 1234, batch_size: int = 4,
                  out_json: Optional[str] = None, threads: Optional[int] = None, drafter=None, tmodel=None,
-                 use_draft_vocab: bool = False, dtype: torch.dtype = torch.float32):
+                 use_draft_vocab: bool = False, dtype: torch.dtype = torch.float32,
+                 block_positions: Optional[int] = None, short_blocks: bool = False):
     from tqdm import tqdm
 
     from taps.models.target import load_target
@@ -60,7 +65,11 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
     if pp.exists():
         prompts = [json.loads(l) for l in pp.read_text().splitlines()]
     S = drafter.config.block_size
-    D = S - 1
+    D = S - 1 if block_positions is None else int(block_positions)
+    if not 1 <= D <= S - 1:
+        raise ValueError(f"block_positions: expected 1..{S - 1} (block_size-1), received {block_positions}")
+    if short_blocks and block_positions is None:
+        raise ValueError("short_blocks: needs block_positions (the positions the short block drafts)")
     rng = random.Random(seed)
     n = min(max_seqs, len(ds))
     hits = torch.zeros(D)
@@ -73,7 +82,10 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
         samples = [ds.get(k) for k in ks]
         feats, blocks, anchors, labels = make_batch(samples, S, anchors_per_seq, drafter.mask_token_id, rng,
                                                     full_blocks_only=True)
-        h = drafter.forward_blocks(feats, blocks, anchors, embed)[:, :, 1:]
+        labels = labels[:, :, :D]
+        if short_blocks:
+            blocks = blocks[:, :, :D + 1]
+        h = drafter.forward_blocks(feats, blocks, anchors, embed)[:, :, 1:D + 1]
         if use_draft_vocab:
             if drafter.draft_vocab is None:
                 raise ValueError("use_draft_vocab: the drafter has no draft vocabulary")
@@ -107,6 +119,7 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
         "family_tau": {},
         "draft_vocab": bool(use_draft_vocab),
         "dtype": str(drafter.fc.weight.dtype).replace("torch.", ""),
+        "block_positions": D, "short_blocks": bool(short_blocks),
         "seconds": round(time.time() - t0, 1),
     }
     code = [t for k in ("complete", "write", "continue") for t in by_kind.get(k, [])]
