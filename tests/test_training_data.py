@@ -3,13 +3,14 @@ import random
 
 import pytest
 import torch
-from helpers import hf_greedy, tiny_target
+from helpers import hf_greedy, tiny_drafter, tiny_target
 
 from taps.data.generation import LlamaGenerator
 from taps.data.magpie import clean_turn
 from taps.training.data import BuildDataConfig
 from taps.training.draft_vocab import select_draft_vocab, vocab_coverage
-from taps.training.train import TrainConfig, block_loss, make_batch
+from taps.models.drafter import DFlashConfig, DFlashDrafter
+from taps.training.train import TrainConfig, block_loss, keep_layers, make_batch
 
 
 def _prompts():
@@ -124,6 +125,22 @@ def test_configs_reject_unknown_and_bad_options(tmp_path):
         BuildDataConfig(out="o", chat_fraction=1.5)
     with pytest.raises(ValueError, match="part"):
         BuildDataConfig(out="o", part=2, num_parts=2)
+
+
+def test_keep_layers_renumbers_the_kept_layers():
+    d3 = tiny_drafter(layers=3)
+    sd = keep_layers(d3.state_dict(), [0, 2], 3)
+    cfg = DFlashConfig.from_dict(d3.config.to_dict())
+    cfg.num_hidden_layers = 2
+    d2 = DFlashDrafter(cfg)
+    d2.load_state_dict(sd)  # strict: exactly the 2-layer names
+    torch.testing.assert_close(d2.layers[1].mlp.up_proj.weight, d3.layers[2].mlp.up_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(d2.fc.weight, d3.fc.weight, rtol=0, atol=0)
+    for bad in ([], [0, 0], [3]):
+        with pytest.raises(ValueError, match="init_layers"):
+            keep_layers(d3.state_dict(), bad, 3)
+    with pytest.raises(ValueError, match="init_layers"):
+        TrainConfig(data="d", out="o", init_layers="0,2")
 
 
 def test_clean_turn():

@@ -134,7 +134,10 @@ def add_subcommands(subparsers):
     p.add_argument("--norm-lr-mult", type=float, default=10.0, help="learning-rate multiplier of RMSNorm gains")
     p.add_argument("--no-normalize-features", dest="normalize_features", action="store_false",
                    help="do not rescale context-feature channels by 1/RMS (the scale is folded into fc on save)")
-    p.add_argument("--init-from", default=None, help="drafter dir a new run starts from (weights + architecture)")
+    p.add_argument("--init-from", default=None,
+                   help="drafter dir a new run starts from (weights + architecture; --block-size still applies)")
+    p.add_argument("--init-layers", default=None,
+                   help="with --init-from: comma list of its layers to keep, e.g. 0,2 (a 2-layer drafter)")
     p.add_argument("--kl-weight", type=float, default=0.0,
                    help="weight of the distillation term to the target's top-k (data built with --topk)")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at this x lr")

@@ -272,12 +272,30 @@ def _save(out: Path, drafter, opt, step, rng, extra):
     drafter.save_pretrained(out / "drafter", dtype=torch.bfloat16)
 
 
+def keep_layers(state_dict: dict, keep: List[int], num_layers: int) -> dict:
+    """A drafter state dict with only layers ``keep`` (in that order, renumbered ``0..len(keep)-1``); every
+    other tensor unchanged."""
+    if not keep or len(set(keep)) != len(keep) or not all(0 <= k < num_layers for k in keep):
+        raise ValueError(f"init_layers: expected distinct layer indices in [0, {num_layers}), received {keep}")
+    new_index = {old: new for new, old in enumerate(keep)}
+    out = {}
+    for name, t in state_dict.items():
+        if name.startswith("layers."):
+            _, idx, rest = name.split(".", 2)
+            if int(idx) in new_index:
+                out[f"layers.{new_index[int(idx)]}.{rest}"] = t
+        else:
+            out[name] = t
+    return out
+
+
 @dataclass
 class TrainConfig:
     """Options of :func:`train_drafter` (``train-drafter`` on the command line).
 
-    ``init_from``: a drafter directory whose weights (and architecture) a NEW run starts from (a run that
-    finds ``<out>/ckpt.pt`` resumes from it instead). ``kl_weight`` > 0 adds the distillation term to the
+    ``init_from``: a drafter directory whose weights (and architecture, but ``block_size``) a NEW run starts
+    from (a run that finds ``<out>/ckpt.pt`` resumes from it instead); ``init_layers``: comma list of its layer
+    indices to keep, in order (a shallower, cheaper drafter that starts from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
     """
 
@@ -309,6 +327,7 @@ class TrainConfig:
     normalize_features: bool = True
     norm_lr_mult: float = 10.0
     init_from: Optional[str] = None
+    init_layers: Optional[str] = None
     kl_weight: float = 0.0
     min_lr_ratio: float = 0.1
 
@@ -323,6 +342,14 @@ class TrainConfig:
             raise ValueError(f"block_size: expected >= 2, received {self.block_size}")
         if self.kl_weight < 0:
             raise ValueError(f"kl_weight: expected >= 0, received {self.kl_weight}")
+        if self.init_layers is not None:
+            if self.init_from is None:
+                raise ValueError("init_layers: needs init_from (the drafter whose layers are kept)")
+            try:
+                [int(x) for x in str(self.init_layers).split(",")]
+            except ValueError:
+                raise ValueError(f"init_layers: expected a comma list of layer indices, received "
+                                 f"{self.init_layers!r}") from None
         if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
             raise ValueError(f"init_from: expected a drafter directory with config.json, received {self.init_from!r}")
 
@@ -380,9 +407,14 @@ def train_drafter(cfg: TrainConfig):
         cfg = DFlashConfig.from_dict(init.config.to_dict())
         cfg.draft_vocab_size = None
         cfg.extra.pop("draft_vocab_file", None)
+        cfg.block_size = block_size
+        keep = list(range(cfg.num_hidden_layers)) if tcfg.init_layers is None else \
+            [int(x) for x in str(tcfg.init_layers).split(",")]
+        state = keep_layers(init.state_dict(), keep, cfg.num_hidden_layers)
+        cfg.num_hidden_layers = len(keep)
         mask_id = cfg.mask_token_id
         drafter = DFlashDrafter(cfg)
-        drafter.load_state_dict(init.state_dict())
+        drafter.load_state_dict(state)
         print(f"initialised from {tcfg.init_from} ({cfg.num_hidden_layers} layers)", flush=True)
     else:
         drafter = DFlashDrafter(cfg)
