@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from taps.scoring.report import check_targets, coverage, projected_tps, write_report
+from taps.scoring.report import check_targets, coverage, merge_bench, projected_tps, write_report
 
 
 def pol(tau, nodes, tps, same=2, prompts=2):
@@ -69,3 +69,14 @@ def test_coverage_labels_full_sets():
     full = dict(run(), prompts=164)
     assert coverage([full, run(1.0)]) == "humaneval: FULL SET, 164 of 164 prompts"
     assert coverage([dict(run(), dataset="mtbench", prompts=80)]) == "mtbench: FULL SET, 80 of 80 prompts"
+
+
+def test_merged_report_takes_mtbench_turns_from_the_mtbench_file(tmp_path):
+    he, mt = tmp_path / "he.json", tmp_path / "mt.json"
+    he.write_text(json.dumps({"config": {"command": "a", "datasets": ["humaneval"], "mtbench_turns": 2},
+                              "runs": [run()]}))
+    mt.write_text(json.dumps({"config": {"command": "b", "datasets": ["mtbench"], "mtbench_turns": 1},
+                              "runs": [dict(run(), dataset="mtbench")]}))
+    merged = merge_bench([he, mt])
+    assert merged["config"]["mtbench_turns"] == 1 and merged["config"]["command"] == "a\nb"
+    assert [r["dataset"] for r in merged["runs"]] == ["humaneval", "mtbench"]

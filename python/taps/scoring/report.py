@@ -221,6 +221,10 @@ def merge_bench(paths) -> dict:
     if len(datas) > 1:
         cfg["command"] = "\n".join(d["config"].get("command", "") for d in datas)
         cfg["wall_s"] = " + ".join(str(d["config"].get("wall_s")) for d in datas)
+        # the MT-Bench turn count is that of the file that ran MT-Bench, not of the first file
+        turns = [d["config"].get("mtbench_turns") for d in datas if "mtbench" in (d["config"].get("datasets") or ())]
+        if turns:
+            cfg["mtbench_turns"] = turns[0]
     runs = [r for d in datas for r in d["runs"]]
     return {"config": cfg, "runs": runs}
 
