@@ -9,46 +9,19 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import taps_kernels
 from taps.decode import SpeculativeDecoder, generate, make_policy, truncate_depth
 from taps.decode.policies import PolicyError, Stopwatch, TreePolicy, available_policies
 from taps.decode.policies.base import BuiltTree
-from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps_kernels import Tree
 
-V = 61
-
-
-def tiny_target(seed=0, vocab=V, ctx=256, layers=6):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ctx,
-                      initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_drafter(seed=0, vocab=V, block_size=5, target_layers=6, layers=2):
-    torch.manual_seed(seed + 1000)
-    cfg = DFlashConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=48, num_hidden_layers=layers, vocab_size=vocab, block_size=block_size,
-                       num_target_layers=target_layers, target_layer_ids=[0, 1], mask_token_id=vocab - 1,
-                       rope_theta=10000.0)
-    return DFlashDrafter(cfg).eval()
+from helpers import V, hf_greedy, tiny_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")
 def models():
     return tiny_target(0), tiny_drafter(0)
-
-
-def hf_greedy(model, prompt, max_new_tokens, stops=()):
-    inp = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=list(stops) or None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def make_cases(model, n, seed):

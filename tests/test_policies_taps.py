@@ -4,45 +4,20 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from taps.decode import SpeculativeDecoder, make_policy
 from taps.decode.policies import PolicyError, policy_options
 from taps.decode.policies import Stopwatch, available_policies
 from taps.decode.policies.taps import TapsPolicy
-from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps.scoring.io import save_scorer
 from taps.scoring.latency import save_table
-from taps.scoring.model import TapsScorer
 
-V, HID = 61, 32
+from helpers import V, hf_greedy, random_scorer, tiny_drafter, tiny_target
+
+HID = 32  # hidden width of the helpers' tiny drafter
+
 SPECS = ["taps", "taps:8", "taps-nogate:8", "taps-paper", "taps-paper:6", "taps-fixed:5", "taps-tiny:8", "ddtree-cost",
          "ddtree-cost:8", "ddtree-cost-nogate"]
-
-
-def tiny_target(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=HID, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=None,
-                      eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_drafter(seed=0, block_size=5):
-    torch.manual_seed(seed + 1000)
-    cfg = DFlashConfig(hidden_size=HID, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                       num_hidden_layers=2, vocab_size=V, block_size=block_size, num_target_layers=4,
-                       target_layer_ids=[0, 1], mask_token_id=V - 1, rope_theta=10000.0)
-    return DFlashDrafter(cfg).eval()
-
-
-def scorer(tiny, seed=3):
-    torch.manual_seed(seed)
-    m = TapsScorer(embed_dim=HID, hidden_dim=HID, max_depth=8, tiny=tiny, top_k=8)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +25,8 @@ def env(tmp_path_factory):
     """Scorer dirs and a synthetic latency table (steep in n, like a CPU); scorers and pool size are passed to
     the policies as options (:func:`policy`), the latency table through the calibration cache's variable."""
     d = tmp_path_factory.mktemp("taps")
-    save_scorer(d / "full", scorer(False), meta={})
-    save_scorer(d / "tiny", scorer(True), meta={})
+    save_scorer(d / "full", random_scorer(False), meta={})
+    save_scorer(d / "tiny", random_scorer(True), meta={})
     table = {"latency": [0.05 + 0.004 * n for n in range(129)], "t0": 0.02, "machine": "test", "model": "test"}
     save_table(table, d / "lat.json")
     mp = pytest.MonkeyPatch()
@@ -69,7 +44,7 @@ def policy(spec, d):
 
 @pytest.fixture(scope="module")
 def models():
-    return tiny_target(0), tiny_drafter(0)
+    return tiny_target(0, layers=4), tiny_drafter(0, target_layers=4)
 
 
 def test_registered():
@@ -129,7 +104,7 @@ def test_throughput_rule_shrinks_with_cost(models):
     target, drafter = models
     sizes = {}
     for name, slope in (("flat", 0.0), ("steep", 1.0)):
-        pol = TapsPolicy(16, rule="reach", pool_size=24, scorer=scorer(False).to_weights(), top_k=8,
+        pol = TapsPolicy(16, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
                          latency={"latency": [0.05 + slope * n for n in range(17)], "t0": 0.0})
         pol.bind(target, drafter, torch.device("cpu"))
         pol.overhead.update = lambda s: None  # keep t0 fixed: the test compares tables only
@@ -138,14 +113,6 @@ def test_throughput_rule_shrinks_with_cost(models):
         sizes[name] = int(tree.num_nodes[0]) - 1
     assert sizes["flat"] == 16
     assert sizes["steep"] < sizes["flat"]
-
-
-def hf_greedy(model, prompt, max_new_tokens):
-    inp = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=max_new_tokens,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("spec", ["taps", "taps-paper", "taps-fixed:8", "taps-tiny", "ddtree-cost"])
