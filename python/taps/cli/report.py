@@ -55,7 +55,8 @@ def batch_tables(sweep: dict) -> List[str]:
     spec = [p for p in policies if p != "ar"]
     part = " (PARTIAL: run cut short)" if sweep.get("partial") else ""
     same = [r for r in rows if r.get("identical_to_ar") is not None]
-    L = [f"## Batch sweep: {sweep['dataset']}, temperature {sweep['temperature']:g}, {sweep['prompts']} prompts{part}",
+    L = [f"## Batch sweep: {sweep['dataset']}, temperature {sweep['temperature']:g}, {sweep['prompts']} prompts, "
+         f"{', '.join(policies)}{part}",
          "",
          "Total tokens/s (all output tokens / wall time of the batch run; B = 1 is the single-request protocol, "
          "its wall time the policy's summed generation time):", ""]
