@@ -38,6 +38,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(DTYPES),
                    help="dtype of the drafter's vocabulary projection (auto: bfloat16 on CPUs with native bf16, "
                         "else the target's; proposals only, outputs are unchanged)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto"] + sorted(DTYPES),
+                   help="dtype of the drafter's layers (auto: bfloat16 on CPUs with native bf16, else the "
+                        "target's; proposals only, outputs are unchanged)")
     p.add_argument("--short-blocks", action="store_true",
                    help="a policy drafting P < block_size-1 positions runs the drafter block [bonus, MASK x P] "
                         "instead of the trained one (cheaper layers; proposals change slightly, outputs do not)")
@@ -153,9 +156,11 @@ def load_drafter_cli(args, target_model):
         except ValueError as e:
             raise CLIError(f"--drafter {p} does not fit --target {args.target}: {_first_line(e)}") from None
     emb = target_model.get_input_embeddings().weight
-    drafter = drafter.to(device=emb.device, dtype=emb.dtype).eval()
+    fast = drafter_mod.fast_head_dtype(emb.device)  # what pays for proposals on this device (None: as loaded)
+    body = getattr(args, "draft_dtype", "auto")
+    drafter = drafter.to(device=emb.device, dtype=(fast or emb.dtype) if body == "auto" else DTYPES[body]).eval()
     choice = getattr(args, "draft_head_dtype", "auto")
-    drafter.head_dtype = drafter_mod.fast_head_dtype(emb.device) if choice == "auto" else DTYPES[choice]
+    drafter.head_dtype = fast if choice == "auto" else DTYPES[choice]
     drafter.short_blocks = bool(getattr(args, "short_blocks", False))
     return drafter
 
