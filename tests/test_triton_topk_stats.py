@@ -11,7 +11,22 @@ import taps_kernels
 from taps_kernels.reference.pool import topk_stats_reference
 
 triton = pytest.importorskip("triton")
+import taps_kernels.triton.topk_stats as topk_stats_mod  # noqa: E402
 from taps_kernels.triton.topk_stats import topk_stats_triton  # noqa: E402
+
+
+class _RecordLaunch:
+    """Stands in for the merge kernel: records each launch's S_PAD (the candidates it holds are S_PAD x
+    KSEL_PAD), then launches the real kernel."""
+
+    def __init__(self, kernel, record):
+        self.kernel, self.record = kernel, record
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.record.append(kwargs["S_PAD"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
 
 if torch.cuda.is_available():
     DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -44,12 +59,18 @@ def _compare(got, want):
     (1, 4, 1, 4, None, None),    # V = 1: margin 0
     (2, 2, 2, 1, None, None),    # K = 1 still needs the runner-up for the margin
     (1, 3, 5003, 64, None, None),  # the published K with the default tile
+    (1, 1, 2400, 64, 16, 80),   # 150 tiles, 80 splits asked: capped at MERGE_CANDIDATES / 64 = 32
 ])
-def test_matches_reference(device, B, D, V, top_k, block_v, splits):
+def test_matches_reference(device, B, D, V, top_k, block_v, splits, monkeypatch):
+    launched = []
+    real = topk_stats_mod._topk_merge_kernel
+    monkeypatch.setattr(topk_stats_mod, "_topk_merge_kernel", _RecordLaunch(real, launched))
     g = torch.Generator().manual_seed(V + top_k)
     logits = torch.randn(B, D, V, generator=g) * 3
     got = topk_stats_triton(logits.to(device), top_k, block_v=block_v, num_splits=splits)
     _compare(got, topk_stats_reference(logits, top_k))
+    k_pad = max(2, triton.next_power_of_2(max(min(top_k, V), 2)))
+    assert launched and all(s_pad * k_pad <= topk_stats_mod.MERGE_CANDIDATES for s_pad in launched)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -155,6 +155,13 @@ def _topk_merge_kernel(part_keys_ptr, part_stats_ptr, topk_logp_ptr, topk_ids_pt
         tl.store(margin_ptr + row, 0.0)
 
 
+#: Most candidates (splits x padded K) the merge program holds in registers. 2,048 compiles without spills
+#: for sm_80/sm_89/sm_90 (``bench/results/triton_aot_resources.json``); 16,384 (256 splits of K = 64) spilled
+#: 316-332 bytes per thread. Only single rows over large vocabularies reach the cap (a 15-row draft needs
+#: <= 32 splits of K = 64 to fill a 132-SM GPU).
+MERGE_CANDIDATES = 2048
+
+
 def _default_splits(rows: int, num_tiles: int, device: torch.device) -> int:
     if device.type != "cuda":
         return min(num_tiles, 2)  # the interpreter runs programs one by one: splits only exercise the merge
@@ -186,8 +193,8 @@ def topk_stats_triton(draft_logits: torch.Tensor, top_k: int, block_v: int = Non
     num_tiles = triton.cdiv(V, block_v)
     splits = num_splits or _default_splits(rows, num_tiles, x.device)
     ksel_pad = max(2, triton.next_power_of_2(ksel))
-    # the merge holds S*KSEL candidates in registers: keep that bounded
-    splits = max(1, min(splits, num_tiles, max(1, 16384 // ksel_pad)))
+    # the merge holds S*KSEL candidates in registers: at most MERGE_CANDIDATES (compiled without spills)
+    splits = max(1, min(splits, num_tiles, max(1, MERGE_CANDIDATES // ksel_pad)))
     tiles_per_split = triton.cdiv(num_tiles, splits)
     splits = triton.cdiv(num_tiles, tiles_per_split)
     dev = x.device
@@ -212,14 +219,15 @@ def aot_configs():
     """Launch configurations for ahead-of-time compile checks (format: ``bench/aot_resources.py``). ``KSEL`` is the
     top-K itself, so every K is its own compile: listed are K = 1 (the runner-up still kept), 16 and the published
     64, with full vocabulary tiles in each logits dtype, a tiny vocabulary, and the merge at 2, 16-32 (a 15-row draft
-    on 108-132 SMs) and 256 splits (a single row; the launcher's cap of 16384 candidates)."""
+    on 108-132 SMs) and the launcher's cap of :data:`MERGE_CANDIDATES` candidates for K = 64, 16 and 2 (a single
+    row)."""
     out = []
     for dt in ("*bf16", "*fp16", "*fp32"):
         for ksel in (2, 16, 64):
             out.append((_topk_partial_kernel, {"logits_ptr": dt, "part_keys_ptr": "*i64"},
                         dict(KSEL=ksel, KSEL_PAD=ksel, BLOCK_V=1024), (), 4))
     out.append((_topk_partial_kernel, {"part_keys_ptr": "*i64"}, dict(KSEL=1, KSEL_PAD=2, BLOCK_V=16), (), 4))
-    for ksel, s_pad in ((64, 2), (64, 16), (64, 32), (64, 256), (16, 32), (2, 32)):
+    for ksel, s_pad in ((64, 2), (64, 16), (64, 32), (16, 32), (16, 128), (2, 32), (2, 1024)):
         out.append((_topk_merge_kernel, {"part_keys_ptr": "*i64", "topk_ids_ptr": "*i64"},
                     dict(KSEL=ksel, KSEL_PAD=ksel, S_PAD=s_pad, HAS_SECOND=True), (), 4))
     out.append((_topk_merge_kernel, {"part_keys_ptr": "*i64", "topk_ids_ptr": "*i64"},

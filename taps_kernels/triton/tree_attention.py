@@ -232,9 +232,11 @@ def launch_config(rows: int, head_dim: int, dtype: torch.dtype, smem_limit: int,
     ``bench/results/triton_aot_resources.json``): ``smem_limit >= 227 KB`` (sm_90), ``>= 163 KB``
     (sm_80), otherwise the 99 KB of sm_86/sm_89.
 
-    * 16-bit: 16 query rows for trees of at most 16 packed rows, else 64 (8 warps from head dim 128);
-      64 keys per tile (32 for head dim 256 where 64 would not fit or would spill), 3 pipeline stages
-      where they fit. Head dim 256 keeps 16 query rows below sm_90 (64 rows spill ~700 bytes there).
+    * 16-bit: 16 query rows for trees of at most 16 packed rows, else 64 (32 at head dim 256); 8 warps
+      from head dim 128 and at head dim 64 on 99 KB parts; 64 keys per tile, 32 where 64 would not fit or
+      would spill (head dim 256, and head dim 128 below sm_90); 3 pipeline stages where they fit. Head dim
+      256 keeps 16 query rows below sm_90 (64 rows spill ~700 bytes there). The alternatives each choice
+      replaced spilled 16-132 bytes in the kernel that writes a 16-bit output (one split).
     * float32: IEEE dot products run on FMA units with wide register operands: 16 query rows and 16 keys
       per tile (head dim 256 still spills a little; on 99 KB parts it runs unpipelined).
     * ``interpreter``: the largest tiles (the interpreter has no registers to spare, only time).
@@ -251,10 +253,10 @@ def launch_config(rows: int, head_dim: int, dtype: torch.dtype, smem_limit: int,
             return 16, 32, block_d, 4, 3
         return 16, 64, block_d, 4, 3
     if block_d == 64:
-        return 64, 64, block_d, 4, 3
-    if block_d == 256:  # sm_90 only (see above); 64 keys per tile spill a few bytes there
-        return 64, 32, block_d, 8, 2
-    return 64, 64, block_d, 8, 3 if big else 2
+        return 64, 64, block_d, 4 if mid else 8, 3
+    if block_d == 256:  # sm_90 only (see above)
+        return 32, 32, block_d, 8, 2
+    return (64, 64, block_d, 8, 3) if big else (64, 32, block_d, 8, 2)
 
 
 def shared_memory_limit(device: torch.device) -> int:
