@@ -5,7 +5,7 @@ import torch
 
 from taps.decode import BatchDecoder, SpeculativeDecoder, kernels, make_policy
 
-from test_decode_greedy import hf_greedy, tiny_drafter, tiny_target  # noqa: F401  (shared tiny models)
+from helpers import hf_greedy, tiny_drafter, tiny_target
 
 
 def snapshot(dec):

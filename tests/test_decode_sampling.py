@@ -1,6 +1,5 @@
 """Sampling: the processed target distribution matches HF's warpers, and speculative sampling (the
 lossless walk over a DDTree tree) gives the target's own distribution of the first generated tokens."""
-import itertools
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from taps.decode import SamplingConfig, SpeculativeDecoder, choose_tokens, make_policy, processed_probs
 
-from test_decode_greedy import tiny_drafter, tiny_target  # noqa: F401  (shared tiny models)
+from helpers import tiny_drafter, tiny_target
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8),

@@ -11,7 +11,7 @@ from taps.decode.policies.ddtree_cost import CostAwareDDTreePolicy
 from taps.decode.policies.gate import DraftGate
 from taps.decode.policies.taps import TapsPolicy
 
-from test_policies_taps import V, hf_greedy, scorer, tiny_drafter, tiny_target
+from helpers import V, hf_greedy, random_scorer, tiny_drafter, tiny_target
 
 
 def test_backoff_doubles_on_losing_rounds_and_resets_on_a_win():
@@ -168,7 +168,7 @@ def make(kind, gate, slope, context=0.002, t0=None):
     latency = {"latency": [0.05 + slope * n for n in range(65)], "t0": 0.02 + context if t0 is None else t0,
                "t0_parts": {"draft": 0.02, "context": context}}
     if kind == "taps":
-        return TapsPolicy(8, rule="reach", pool_size=24, scorer=scorer(False).to_weights(), top_k=8, latency=latency,
+        return TapsPolicy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency,
                           gate=gate)
     return CostAwareDDTreePolicy(8, latency=latency, gate=gate)
 
