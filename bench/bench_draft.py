@@ -51,6 +51,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     from taps.models.drafter import cpu_has_native_bf16, load_drafter
     from taps.models.target import load_target
+    from taps.paths import portable_path
 
     target, _ = load_target("smollm2")
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -110,7 +111,7 @@ def main(argv=None):
             restore_linear(d)
     out = {"device": "cpu", "threads": 1, "cpu": platform.processor() or platform.machine(),
            "native_bf16": cpu_has_native_bf16(), "context_rows": args.context, "reps": args.reps,
-           "drafter": os.path.relpath(args.drafter, ROOT), "num_layers": drafter.config.num_hidden_layers,
+           "drafter": portable_path(args.drafter), "num_layers": drafter.config.num_hidden_layers,
            "load_average_1m": round(os.getloadavg()[0], 2), "rows": rows, "body_rows": body_rows,
            "note": "shared 2-core machine: the load average says how busy it was; cpu_ms (thread CPU time) and "
                    "min_ms are the less noisy figures"}
