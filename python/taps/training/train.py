@@ -294,8 +294,9 @@ class TrainConfig:
     """Options of :func:`train_drafter` (``train-drafter`` on the command line).
 
     ``init_from``: a drafter directory whose weights (and architecture, but ``block_size``) a NEW run starts
-    from (a run that finds ``<out>/ckpt.pt`` resumes from it instead); ``init_layers``: comma list of its layer
-    indices to keep, in order (a shallower, cheaper drafter that starts from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
+    from (a run that finds ``<out>/ckpt.pt`` resumes from it instead; ``num_layers`` is then ignored);
+    ``init_layers``: comma list of its layer indices to keep, in order (a shallower, cheaper drafter that starts
+    from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
     """
 
