@@ -38,10 +38,9 @@ from typing import Callable, Dict, List, Optional
 
 from .bench_batch import (Progress, add_speedups, batch_row, format_batch_table, latency_note, make_batch_decoder,
                           mark_identical, parse_batch_sizes, rotated, row_from_single, run_batch)
-from .common import (CLIError, add_model_flags, add_sampling_flags, drafter_dir_cli, hf_generate_item,
-                     load_drafter_cli, load_target_cli, parse_policies, policy_from_args, positive_int, quiet_warnings,
-                     run_item,
-                     sampling_from_args, setup_torch, stop_token_ids)
+from .common import (CLIError, add_model_flags, add_sampling_flags, check_prompt_lookup, drafter_dir_cli,
+                     hf_generate_item, load_drafter_cli, load_target_cli, parse_policies, policy_from_args,
+                     positive_int, quiet_warnings, run_item, sampling_from_args, setup_torch, stop_token_ids)
 
 BUDGETS = (4, 8, 16, 32, 64, 128)
 DATASETS = ("humaneval", "mtbench")
@@ -122,9 +121,7 @@ def hf_pld_name(num_tokens: int) -> str:
 def hf_rows(hf_baseline: bool, hf_prompt_lookup: Optional[int]) -> Dict[str, Optional[int]]:
     """The HF baseline rows asked for, in run order: ``{row name: prompt_lookup_num_tokens}`` (None: plain
     greedy ``generate``). ``hf_prompt_lookup`` must be None or an int >= 1."""
-    if hf_prompt_lookup is not None and (isinstance(hf_prompt_lookup, bool) or not isinstance(hf_prompt_lookup, int)
-                                         or hf_prompt_lookup < 1):
-        raise ValueError(f"hf_prompt_lookup: expected an integer >= 1 (or None), received {hf_prompt_lookup!r}")
+    check_prompt_lookup("hf_prompt_lookup", hf_prompt_lookup)
     rows: Dict[str, Optional[int]] = {"hf": None} if hf_baseline else {}
     if hf_prompt_lookup is not None:
         rows[hf_pld_name(hf_prompt_lookup)] = hf_prompt_lookup

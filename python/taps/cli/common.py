@@ -246,6 +246,13 @@ def run_item(decoder, tokenizer, item, max_new_tokens: int, seed: int = 0) -> Di
     return out
 
 
+def check_prompt_lookup(name: str, value: Optional[int]) -> Optional[int]:
+    """``value`` if it is None or an int >= 1 (HF's ``prompt_lookup_num_tokens``), else a ValueError naming ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}: expected an integer >= 1 (or None), received {value!r}")
+    return value
+
+
 def hf_generate_item(model, tokenizer, item, max_new_tokens: int, stop_ids: List[int], answers: List[str],
                      prompt_lookup_num_tokens: Optional[int] = None) -> Dict:
     """Time HF ``generate(do_sample=False)`` on the same turns (turn k after ``answers[:k]``, the answers our
@@ -255,11 +262,7 @@ def hf_generate_item(model, tokenizer, item, max_new_tokens: int, stop_ids: List
     decoding (n-gram matches in the context proposed as up to that many draft tokens, verified by the target:
     lossless under greedy decoding, no drafter needed)."""
     extra = {}
-    if prompt_lookup_num_tokens is not None:
-        if isinstance(prompt_lookup_num_tokens, bool) or not isinstance(prompt_lookup_num_tokens, int) \
-                or prompt_lookup_num_tokens < 1:
-            raise ValueError(f"prompt_lookup_num_tokens: expected an integer >= 1 (or None), received "
-                             f"{prompt_lookup_num_tokens!r}")
+    if check_prompt_lookup("prompt_lookup_num_tokens", prompt_lookup_num_tokens) is not None:
         extra["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
     history: List[dict] = []
     out = {"turns": [], "new_tokens": 0, "seconds": 0.0}
