@@ -132,6 +132,21 @@ def test_trained_scorer_beats_the_marginal_product_on_a_known_target(traces, mod
     assert got["kl"] < 0.5 * base["kl"]
 
 
+def test_train_from_an_initial_scorer(traces, models):
+    """``init`` starts from given weights (lr 0 keeps them exactly); a scorer of another shape is refused."""
+    _, tr = traces
+    train, val = split_by_prompt(tr, 0.34)
+    emb = models[0].get_input_embeddings().weight.detach()
+    first, _ = train_scorer(train, val, emb, epochs=1, batch=8, lr=1e-2, seed=0, top_k=6, progress=False)
+    again, _ = train_scorer(train, val, emb, epochs=1, batch=8, lr=0.0, weight_decay=0.0, seed=1, top_k=6,
+                            progress=False, init=first)
+    for (k, a), b in zip(first.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), k
+    tiny, _ = train_scorer(train, val, emb, tiny=True, epochs=1, batch=8, seed=0, top_k=6, progress=False)
+    with pytest.raises(ValueError, match="init: scorer shapes differ"):
+        train_scorer(train, val, emb, epochs=1, batch=8, seed=0, top_k=6, progress=False, init=tiny)
+
+
 def test_reliability_hand_made():
     pred = torch.tensor([0.15, 0.15, 0.95, 0.95], dtype=torch.float64)
     label = torch.tensor([0.0, 1.0, 1.0, 1.0])

@@ -36,7 +36,8 @@ def _cmd_traces(args):
     config = TraceConfig(target=args.target, num_prompts=args.num_prompts, pool_size=args.pool_size,
                          top_k=args.top_k, lattice_k=args.lattice_k, max_new_tokens=args.max_new_tokens,
                          max_prompt_tokens=args.max_prompt_tokens, prompts_per_shard=args.prompts_per_shard,
-                         seed=args.seed, exclude_prompts=args.exclude_prompts, threads=args.threads,
+                         seed=args.seed, exclude_prompts=args.exclude_prompts, chat_fraction=args.chat_fraction,
+                         draft_dtype=args.draft_dtype, threads=args.threads,
                          max_minutes=args.max_minutes, worker=args.worker, workers=args.workers)
     summ = collect_traces(args.out, str(d), config)
     print(json.dumps(summ, indent=1))
@@ -120,11 +121,27 @@ def _cmd_train(args):
         raise CLIError("--traces: the directories were traced with different drafters; a scorer is per pair")
     emb = target_embeddings(m0.get("target", args.target))
     cmd = _cmdline(args)
-    variants = [("full", False, args.out)] + ([("tiny", True, args.tiny_out)] if args.tiny_out else [])
+    variants = [("full", False, args.out, args.init_from)]
+    if args.tiny_out:
+        variants.append(("tiny", True, args.tiny_out, args.tiny_init_from))
     results = {}
-    for label, tiny, out in variants:
-        model, hist = train_scorer(train, val, emb, tiny=tiny, epochs=args.epochs, batch=args.batch, lr=args.lr,
-                                   target=args.target_dist, seed=args.seed, top_k=int(m0.get("top_k", 64)))
+    for label, tiny, out, init_dir in variants:
+        init = None
+        if init_dir:
+            from taps.scoring.io import load_scorer
+
+            try:
+                init = load_scorer(init_dir)[0]
+            except (FileNotFoundError, OSError, ValueError, KeyError) as e:
+                raise CLIError(f"--{'tiny-' if tiny else ''}init-from {init_dir}: {e}") from None
+        try:
+            model, hist = train_scorer(train, val, emb, tiny=tiny, epochs=args.epochs, batch=args.batch, lr=args.lr,
+                                       target=args.target_dist, seed=args.seed, top_k=int(m0.get("top_k", 64)),
+                                       init=init)
+        except ValueError as e:
+            if init is None:
+                raise
+            raise CLIError(f"--{'tiny-' if tiny else ''}init-from {init_dir}: {e}") from None
         ev = evaluate_scorer(val, model.to_weights(), emb)
         print(f"[{label}] " + format_eval(ev))
         meta = {"target": m0.get("target"), "drafter": m0.get("drafter"), "pool_size": m0.get("pool_size"),
@@ -133,6 +150,7 @@ def _cmd_train(args):
                 "trace_prompts": _count_prompts(train, val),
                 "trace_dirs": [portable_path(d) for d in args.traces],
                 "lr": args.lr, "epochs": args.epochs, "target_dist": args.target_dist, "seed": args.seed,
+                "init_from": portable_path(init_dir) if init_dir else None,
                 "command": cmd, "best_epoch": hist["best_epoch"], "train_seconds": hist["seconds"],
                 "val_ece": ev["scorer"]["ece"], "val_ece_marginal": ev["marginal"]["ece"],
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -228,6 +246,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--prompts-per-shard", type=positive_int, default=4)
     p.add_argument("--seed", type=int, default=1, help="prompt sampling seed (the drafter data used 0)")
     p.add_argument("--exclude-prompts", default=None, help="JSONL of prompts (with 'id') to skip, e.g. the drafter's")
+    p.add_argument("--chat-fraction", type=float, default=0.0,
+                   help="share of chat prompts written by the target itself (Magpie), e.g. 0.5")
+    p.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="drafter layers' dtype; auto drafts as the decoders do on this machine")
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--worker", type=int, default=0, help="this process takes shards s with s %% workers == worker")
@@ -238,6 +260,9 @@ def add_subcommands(sub) -> None:
     p.add_argument("--traces", nargs="+", required=True)
     p.add_argument("--out", default="checkpoints/smollm2-taps-scorer")
     p.add_argument("--tiny-out", default=None, help="also train the 7-scalar variant into this dir")
+    p.add_argument("--init-from", default=None, help="start from this scorer (same shape), e.g. the previous "
+                   "drafter's: a new drafter needs less data that way")
+    p.add_argument("--tiny-init-from", default=None, help="the same for the 7-scalar variant")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--epochs", type=positive_int, default=30)
     p.add_argument("--batch", type=positive_int, default=32, help="rounds per step")

@@ -83,6 +83,11 @@ class MagpieWriter:
         w = _norm_key(text).split()
         return {"full:" + " ".join(w), "lead:" + " ".join(w[:10])}
 
+    def exclude(self, texts) -> None:
+        """Reject later turns that duplicate any of ``texts`` (prompts used elsewhere, e.g. for training)."""
+        for t in texts:
+            self.keys |= self._dup_keys(t)
+
     def ensure(self, n: int) -> List[dict]:
         """Sample until at least ``n`` accepted turns exist; returns all accepted turns (stable order)."""
         eos = self.tok.eos_token_id

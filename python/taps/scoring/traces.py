@@ -72,18 +72,53 @@ def drafter_identity(drafter_dir) -> dict:
     return {"path": portable_path(p), "sha256": file_digest(files[0]) if files else None}
 
 
+def _read_jsonl(path) -> List[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def trace_prompts(num_prompts: int, seed: int = 1, exclude_file: Optional[str] = None) -> List[dict]:
-    """Training prompts (never HumanEval / MT-Bench: :mod:`taps.training.prompts` filters them) minus the
-    ids listed in ``exclude_file`` (the drafter's own training prompts, JSONL with ``id``)."""
+    """Training code prompts (never HumanEval / MT-Bench: :mod:`taps.training.prompts` filters them) minus
+    the ids listed in ``exclude_file`` (the drafter's own training prompts, JSONL with ``id``)."""
     from taps.training.prompts import build_prompts
 
     exclude = set()
     if exclude_file and Path(exclude_file).is_file():
-        with open(exclude_file, encoding="utf-8") as f:
-            exclude = {json.loads(line).get("id") for line in f if line.strip()}
+        exclude = {p.get("id") for p in _read_jsonl(exclude_file)}
     extra = len(exclude) // 4 + 16
     prompts = [p for p in build_prompts(num_prompts + extra, seed=seed) if p.get("id") not in exclude]
     return prompts[:num_prompts]
+
+
+def chat_trace_prompts(out_dir, model, tokenizer, num_prompts: int, seed: int = 1,
+                       exclude_file: Optional[str] = None) -> List[dict]:
+    """``num_prompts`` chat prompts written by the target itself (Magpie, :mod:`taps.data.magpie`) into
+    ``out_dir/magpie.jsonl`` (resumable). The sampling seed differs from the drafter data's (seed 0) and
+    every turn that duplicates a prompt of ``exclude_file`` (same normalised text or leading words) is
+    rejected, so the scorer is trained on requests the drafter never saw."""
+    from taps.data.generation import LlamaGenerator
+    from taps.data.magpie import MagpieWriter
+
+    writer = MagpieWriter(out_dir, LlamaGenerator(model), tokenizer, seed=seed)
+    if exclude_file and Path(exclude_file).is_file():
+        writer.exclude(p["text"] for p in _read_jsonl(exclude_file) if p.get("kind") == "chat")
+    return writer.ensure(num_prompts)[:num_prompts]
+
+
+def interleave(code: List[dict], chat: List[dict]) -> List[dict]:
+    """Spread ``chat`` evenly through ``code`` so that any prefix of the list (a run cut by
+    ``max_minutes``) holds both kinds in about the asked mix."""
+    n = len(code) + len(chat)
+    out, ci, hi = [], 0, 0
+    for i in range(n):
+        take_chat = hi < len(chat) and (ci >= len(code) or (hi + 1) * n <= (i + 1) * len(chat))
+        if take_chat:
+            out.append(chat[hi])
+            hi += 1
+        else:
+            out.append(code[ci])
+            ci += 1
+    return out
 
 
 @torch.inference_mode()
@@ -164,7 +199,10 @@ class TraceConfig:
 
     ``worker``/``workers``: this process takes shards ``s`` with ``s % workers == worker``, so several
     processes can fill one directory side by side. ``max_minutes``: stop after the shard in progress once
-    this much time has passed. ``exclude_prompts``: JSONL of prompt ids to skip (the drafter's own).
+    this much time has passed. ``exclude_prompts``: JSONL of prompts to skip (the drafter's own).
+    ``chat_fraction``: share of Magpie chat prompts (:func:`chat_trace_prompts`) among the code prompts.
+    ``draft_dtype``: the drafter layers' dtype; ``"auto"`` drafts as the CLI decoders do on this machine
+    (bf16 layers on native-bf16 CPUs), so the scorer is trained on the hidden states it will read.
     """
 
     target: str = "smollm2"
@@ -177,6 +215,8 @@ class TraceConfig:
     prompts_per_shard: int = 4
     seed: int = 1
     exclude_prompts: Optional[str] = None
+    chat_fraction: float = 0.0
+    draft_dtype: str = "auto"
     threads: Optional[int] = None
     max_minutes: Optional[float] = None
     progress: bool = True
@@ -189,6 +229,11 @@ class TraceConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TraceConfig.{name}: expected an integer >= 1, received {v!r}")
+        if not 0.0 <= self.chat_fraction <= 1.0:
+            raise ValueError(f"TraceConfig.chat_fraction: expected a number in [0, 1], received {self.chat_fraction!r}")
+        if self.draft_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"TraceConfig.draft_dtype: expected 'auto', 'float32' or 'bfloat16', "
+                             f"received {self.draft_dtype!r}")
         if not 0 <= self.worker < self.workers:
             raise ValueError(f"TraceConfig.worker: expected 0 <= worker < workers ({self.workers}), "
                              f"received {self.worker}")
@@ -232,26 +277,27 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_target(target)
-    drafter = load_drafter(drafter_dir, dtype=torch.float32, target_config=model.config).eval()
-    drafter.head_dtype = fast_head_dtype(next(model.parameters()).device)  # as the CLI decoders draft
+    fast = fast_head_dtype(next(model.parameters()).device)
+    body = (fast or torch.float32) if c.draft_dtype == "auto" else getattr(torch, c.draft_dtype)
+    drafter = load_drafter(drafter_dir, dtype=body, target_config=model.config).eval()
+    drafter.head_dtype = fast  # as the CLI decoders draft (taps.cli.common.load_drafter_cli)
     ident = drafter_identity(drafter_dir)
     meta = {"target": target, "drafter": ident, "pool_size": pool_size, "top_k": top_k, "lattice_k": lattice_k,
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
             "num_prompts": num_prompts, "prompts_per_shard": prompts_per_shard, "decoding": "greedy",
             "num_draft_positions": drafter.config.block_size - 1, "drafter_hidden": drafter.config.hidden_size,
-            "exclude_prompts": portable_path(exclude_prompts) if exclude_prompts else None}
+            "exclude_prompts": portable_path(exclude_prompts) if exclude_prompts else None,
+            "chat_fraction": c.chat_fraction, "draft_dtype": str(body).replace("torch.", "")}
     meta_p = out / "meta.json"
     if meta_p.exists():
         old = json.loads(meta_p.read_text())
-        for k in ("target", "drafter", "pool_size", "top_k", "seed"):
-            if old.get(k) != meta[k]:
+        for k in ("target", "drafter", "pool_size", "top_k", "seed", "chat_fraction"):
+            if old.get(k, 0.0 if k == "chat_fraction" else None) != meta[k]:
                 raise ValueError(f"{out}: holds traces with {k}={old.get(k)!r}, this run asks {meta[k]!r}; "
                                  f"use another --out")
-    prompts = trace_prompts(num_prompts, seed=seed, exclude_file=exclude_prompts)
+    prompts = _prompt_list(out, c, model, tok)
     if worker == 0:
         meta_p.write_text(json.dumps(meta, indent=1) + "\n")
-        (out / "prompts.jsonl").write_text("".join(json.dumps({"id": p["id"], "kind": p["kind"], "text": p["text"]}) + "\n"
-                                                   for p in prompts), encoding="utf-8")
     stops = set(stop_token_ids(tok, model))
     deadline = time.time() + 60 * max_minutes if max_minutes else None
     nshards = (len(prompts) + prompts_per_shard - 1) // prompts_per_shard
@@ -279,6 +325,31 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
         tau = float(blob["accept_len"].float().mean())
         bar.set_postfix(rounds=len(records), tau=f"{tau:.2f}", s_per_round=f"{(time.time() - t0) / len(records):.2f}")
     return trace_summary(out)
+
+
+def _prompt_list(out: Path, c: TraceConfig, model, tok) -> List[dict]:
+    """The directory's prompt list: read from ``prompts.jsonl`` when an earlier run or another worker
+    wrote it, otherwise built once under a file lock (Magpie sampling must not run twice side by side)."""
+    import fcntl
+
+    path = out / "prompts.jsonl"
+    with open(out / ".prompts.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            prompts = _read_jsonl(path)
+            if len(prompts) != c.num_prompts:
+                raise ValueError(f"{out}: holds {len(prompts)} prompts, this run asks num_prompts={c.num_prompts}; "
+                                 f"use another --out")
+            return prompts
+        n_chat = round(c.num_prompts * c.chat_fraction)
+        code = trace_prompts(c.num_prompts - n_chat, seed=c.seed, exclude_file=c.exclude_prompts)
+        chat = chat_trace_prompts(out, model, tok, n_chat, seed=c.seed, exclude_file=c.exclude_prompts) if n_chat else []
+        prompts = interleave(code, chat)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps({"id": p["id"], "kind": p["kind"], "text": p["text"]}) + "\n"
+                               for p in prompts), encoding="utf-8")
+        os.replace(tmp, path)
+        return prompts
 
 
 def list_shards(trace_dir) -> List[Path]:

@@ -129,12 +129,14 @@ def evaluate_loss(model: TapsScorer, traces, tgt, emb, batch: int = 64) -> Dict[
 def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.Tensor]], emb: Optional[torch.Tensor],
                  tiny: bool = False, epochs: int = 30, batch: int = 32, lr: float = 3e-3, weight_decay: float = 0.01,
                  target: str = "greedy", seed: int = 0, top_k: int = 64, progress: bool = True,
-                 log=print) -> (TapsScorer, dict):
+                 log=print, init: Optional[TapsScorer] = None) -> (TapsScorer, dict):
     """Train a scorer on trace dicts (:func:`taps.scoring.traces.load_traces`).
 
     Args:
         train, val: trace dicts (``val`` may be None: then the last epoch is kept).
         emb: ``[V, E]`` target input embeddings (full variant; ignored when ``tiny``).
+        init: a trained scorer of the same shape to start from (e.g. the one of the previous drafter: a
+            new drafter shifts the inputs, so little new data goes a long way from there).
     Returns:
         ``(model, history)``: the best-validation model (eval mode) and per-epoch losses, seconds, best epoch.
     """
@@ -146,6 +148,14 @@ def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.T
     H = int(train["hidden"].shape[2])
     model = TapsScorer(embed_dim=0 if tiny else emb.shape[1], hidden_dim=0 if tiny else H, max_depth=D, tiny=tiny,
                        top_k=top_k)
+    if init is not None:
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        got = {k: tuple(v.shape) for k, v in init.state_dict().items()}
+        if want != got:
+            diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            raise ValueError(f"init: scorer shapes differ from the traces' (tiny={tiny}, hidden {H}, depth {D}); "
+                             f"first mismatches {[(k, got.get(k), want.get(k)) for k in diff[:3]]} (init, expected)")
+        model.load_state_dict(init.state_dict())
     emb_used = None if tiny else emb
     tgt_tr = edge_targets(train, target)
     tgt_va = edge_targets(val, target) if val is not None else None
