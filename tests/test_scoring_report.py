@@ -32,6 +32,13 @@ def test_check_targets_values():
     r["policies"]["taps"]["speedup"] = 2.6
     agg = {c["name"]: c for c in check_targets(r)}["TAPS / best fixed-budget DDTree (ddtree:8), aggregate tok/s"]
     assert agg["value"] == pytest.approx(2.6 / 2.4) and not agg["met"]
+    assert checks["TAPS / AR, median tok/s"]["value"] == pytest.approx(3.0) and checks["TAPS / AR, median tok/s"]["met"]
+    assert checks["TAPS / AR, aggregate tok/s"]["target"] == 1.4  # humaneval's; mtbench asks 1.15
+    assert "TAPS draft ms per drafted round (one thread)" not in checks  # no time split in this run
+    r = run()
+    r["policies"]["taps"].update(stage_ms_per_round={"draft": 4.5}, drafted_frac=0.5)
+    c = {c["name"]: c for c in check_targets(r)}["TAPS draft ms per drafted round (one thread)"]
+    assert c["value"] == pytest.approx(9.0) and c["cmp"] == "<=" and not c["met"]
     assert checks["lossless: every output identical to AR (temperature 0)"]["met"]
     bad = {c["name"]: c for c in check_targets(run(same=1))}
     assert not bad["lossless: every output identical to AR (temperature 0)"]["met"]
