@@ -1,4 +1,6 @@
 """Scorer pipeline on tiny random models: traces, targets, training, evaluation (ECE), latency tables."""
+import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -6,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import hf_greedy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps.scoring.evaluate import evaluate_scorer, reliability
-from taps.scoring.latency import get_table, isotonic, measure_latency
+from taps.scoring.latency import drafter_key, get_table, isotonic, measure_latency
 from taps.scoring.traces import accepted_mask, load_traces, split_by_prompt, stack_records, trace_prompt
 from taps.scoring.train import edge_targets, train_scorer
 
@@ -184,6 +186,17 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
     assert len(files) == 1 and len(t1["latency"]) == 7
     t2 = get_table(target, None, n_max=6)
     assert t2["latency"] == t1["latency"]  # from the cache, not re-measured
+    assert t1["t0"] == 0 and t1["drafter"] is None
+    # a drafter the cached t0 was not measured with: t0 alone is measured and saved, the verify table stays
+    t3 = get_table(target, drafter, n_max=6)
+    assert t3["latency"] == t1["latency"] and t3["t0"] > 0 and t3["drafter"] == drafter_key(drafter)
+    assert json.loads(files[0].read_text())["drafter"] == drafter_key(drafter)
+    drafter.head_dtype = torch.bfloat16  # another head dtype is another drafter cost
+    try:
+        assert drafter_key(drafter) != t3["drafter"]
+        assert get_table(target, drafter, n_max=6)["drafter"] == drafter_key(drafter)
+    finally:
+        drafter.head_dtype = None
 
 
 def test_replay_full_pool_tau_and_costs(traces, models):

@@ -11,7 +11,10 @@ random tree of ``n`` non-root nodes, ``repeats`` times after one warm-up, crop t
 median. The table is interpolated linearly between grid points and made non-decreasing (isotonic fit,
 pool-adjacent-violators), since noise on a shared machine can invert neighbours. ``t0`` is the median
 time of a drafter pass plus the drafter's context update (0 without a drafter); each policy adds its own
-measured pool/score/select overhead on top.
+measured pool/score/select overhead on top. ``t0`` belongs to one drafter shape (:func:`drafter_key`:
+layers, width, dtypes, block, draft vocabulary): :func:`get_table` re-measures it alone, in about a
+second, when a cached table was made with another drafter, so a faster drafter is never costed as the
+old one (the verify table, the slow part, depends on the target only).
 
 Batch tables (``batch_sizes``, ``taps calibrate --batch-sizes``): for ``R`` rows, ``batch_latency[R][n]`` = seconds
 of one verify of ``R`` rows (prefixes of ``prefix_len`` tokens) holding ``n`` non-root nodes in total, spread as
@@ -68,6 +71,16 @@ def model_key(model) -> str:
     # the few-row kernel changes the verify cost per node count: its tables are kept apart
     linear = "-rowslinear" if any(isinstance(m, RowsLinear) for m in model.modules()) else ""
     return f"{name}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}-{dtype}{linear}"
+
+
+def drafter_key(drafter) -> str:
+    """What one draft pass's time depends on: layers, width, block, body/head dtypes, draft vocabulary."""
+    c = drafter.config
+    body = str(next(drafter.parameters()).dtype).replace("torch.", "")
+    head = str(getattr(drafter, "head_dtype", None) or body).replace("torch.", "")
+    vocab = getattr(c, "draft_vocab_size", None) or c.vocab_size
+    short = "-short" if getattr(drafter, "short_blocks", False) else ""
+    return f"L{c.num_hidden_layers}-H{c.hidden_size}-B{c.block_size}-{body}-head{head}-V{vocab}{short}"
 
 
 def _slug(text: str) -> str:
@@ -181,33 +194,13 @@ def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int 
                 times.append(dt)
         raw[n] = statistics.median(times)
     table = isotonic(interpolate(raw, n_max))
-    t0_parts = {}
-    if drafter is not None:
-        state = drafter.new_state(1)
-        drafter.append_context(state, feats)
-        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        bonus = prompt[:, -1].to(device)
-        dts, cts = [], []
-        for r in range(repeats + 1):
-            _sync(device)
-            t = time.perf_counter()
-            drafter.draft(state, bonus, embed, head)
-            _sync(device)
-            t1 = time.perf_counter()
-            drafter.append_context(state, feats[:, :4])
-            _sync(device)
-            t2 = time.perf_counter()
-            drafter.rollback(state, prefix_len)
-            if r:
-                dts.append(t1 - t)
-                cts.append(t2 - t1)
-        t0_parts = {"draft": statistics.median(dts), "context": statistics.median(cts)}
+    t0_parts = measure_draft_time(model, drafter, ver, prompt, feats, repeats) if drafter is not None else {}
     batch = {}
     for rows in sorted(set(int(b) for b in (batch_sizes or []) if int(b) > 1)):
         batch[str(rows)] = measure_batch_latency(model, rows, n_max, prefix_len, repeats, layer_ids, seed)
     out_batch = {"batch_latency": batch} if batch else {}
     return {"latency": table, "raw": {str(k): v for k, v in raw.items()}, "t0": sum(t0_parts.values()), **out_batch,
-            "t0_parts": t0_parts, "prefix_len": prefix_len, "repeats": repeats, "n_max": n_max,
+            "t0_parts": t0_parts, "drafter": drafter_key(drafter) if drafter is not None else None, "prefix_len": prefix_len, "repeats": repeats, "n_max": n_max,
             "machine": machine_key(device), "model": model_key(model), "device": str(device),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -250,6 +243,42 @@ def measure_batch_latency(model, rows: int, n_max: int, prefix_len: int = 256, r
     return isotonic(interpolate(raw, total))
 
 
+@torch.inference_mode()
+def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeats: int = 3,
+                       prefix_len: int = 256, seed: int = 0) -> Dict[str, float]:
+    """``{"draft", "context"}``: median seconds of one draft pass (all block positions) over a context of
+    ``prefix_len`` tokens and of appending 4 accepted tokens' features to the drafter's context. Prefills
+    its own random prompt unless the caller's verifier (``ver``, ``prompt [1, S]``, ``feats``) is given."""
+    device = next(model.parameters()).device
+    if ver is None:
+        from .verifier import TargetVerifier
+
+        ver = TargetVerifier(model, list(drafter.config.target_layer_ids))
+        prompt = torch.randint(0, int(model.config.vocab_size), (1, prefix_len),
+                               generator=torch.Generator().manual_seed(seed))
+        _, feats = ver.prefill(prompt)
+    prefix_len = prompt.shape[1]
+    state = drafter.new_state(1)
+    drafter.append_context(state, feats)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    bonus = prompt[:, -1].to(device)
+    dts, cts = [], []
+    for r in range(repeats + 1):
+        _sync(device)
+        t = time.perf_counter()
+        drafter.draft(state, bonus, embed, head)
+        _sync(device)
+        t1 = time.perf_counter()
+        drafter.append_context(state, feats[:, :4])
+        _sync(device)
+        t2 = time.perf_counter()
+        drafter.rollback(state, prefix_len)
+        if r:
+            dts.append(t1 - t)
+            cts.append(t2 - t1)
+    return {"draft": statistics.median(dts), "context": statistics.median(cts)}
+
+
 def save_table(table: dict, path: Optional[Path] = None) -> Path:
     p = Path(path) if path else cache_path(table["machine"], table["model"])
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -273,13 +302,22 @@ def load_table(path) -> dict:
 def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool = False,
               repeats: int = 2, batch_sizes: Optional[List[int]] = None) -> dict:
     """The cached table for this machine and model (``$TAPS_LATENCY`` or ``path`` overrides the cache
-    location); measured now and cached when missing or shorter than ``n_max + 1``."""
+    location); measured now and cached when missing or shorter than ``n_max + 1``. A cached table whose
+    ``t0`` was measured with another drafter (:func:`drafter_key`) gets ``t0`` re-measured and saved; an
+    explicit table (``path``/``$TAPS_LATENCY``) is used as it is."""
     path = path or os.environ.get("TAPS_LATENCY")
     device = next(model.parameters()).device
     p = Path(path) if path else cache_path(machine_key(device), model_key(model))
     if p.is_file() and not recalibrate:
         t = load_table(p)
-        if len(t["latency"]) >= n_max + 1 or path:
+        if path:
+            return t
+        if len(t["latency"]) >= n_max + 1:
+            key = drafter_key(drafter) if drafter is not None else None
+            if drafter is not None and t.get("drafter") != key:
+                t["t0_parts"] = measure_draft_time(model, drafter, repeats=max(repeats, 5))
+                t["t0"], t["drafter"] = sum(t["t0_parts"].values()), key
+                save_table(t, p)
             return t
     t = measure_latency(model, n_max=n_max, drafter=drafter, repeats=repeats, batch_sizes=batch_sizes)
     save_table(t, p)
