@@ -1,4 +1,4 @@
-"""Prompt lists of `taps traces`: code/chat interleaving, Magpie exclusion of the drafter's prompts, resume."""
+"""`taps traces` inputs: code/chat prompt interleaving, Magpie exclusion of the drafter's prompts, resume, drafter identity."""
 import json
 from types import SimpleNamespace
 
@@ -77,3 +77,12 @@ def test_trace_config_checks_new_options():
         TraceConfig(chat_fraction=1.5)
     with pytest.raises(ValueError, match="draft_dtype.*'float16'"):
         TraceConfig(draft_dtype="float16")
+
+
+def test_drafter_identity_hashes_the_weights_not_the_draft_vocabulary(tmp_path):
+    from taps.scoring.traces import drafter_identity, file_digest
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    before = drafter_identity(tmp_path)["sha256"]
+    (tmp_path / "draft_vocab.safetensors").write_bytes(b"vocab")  # sorts first; must not name the drafter
+    assert drafter_identity(tmp_path)["sha256"] == before == file_digest(tmp_path / "model.safetensors")

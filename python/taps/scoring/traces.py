@@ -68,7 +68,8 @@ def drafter_identity(drafter_dir) -> dict:
     from taps.paths import portable_path
 
     p = Path(drafter_dir)
-    files = sorted(p.glob("*.safetensors"))
+    # the weights file; a draft vocabulary file sits beside it and does not name the drafter
+    files = sorted(p.glob("model*.safetensors")) or sorted(p.glob("*.safetensors"))
     return {"path": portable_path(p), "sha256": file_digest(files[0]) if files else None}
 
 
