@@ -143,3 +143,30 @@ def test_policy_options_are_explicit():
         make_policy("ddtree:8", scorer="x")
     with pytest.raises(PolicyError, match="unknown option.*pool_sizes"):
         make_policy("taps", pool_sizes=3)
+
+
+def test_throughput_rule_drafts_only_its_depth_cap(env):
+    """``taps`` projects DEFAULT_MAX_DEPTH positions of a 15-position drafter (``taps-fixed`` all of them);
+    output stays equal to HF generate."""
+    from taps.decode.policies.taps import DEFAULT_MAX_DEPTH
+
+    target, drafter = tiny_target(0, layers=4), tiny_drafter(0, target_layers=4, block_size=16)
+    asked = []
+    draft = drafter.draft
+
+    def spy(*a, num_positions=None, **k):
+        asked.append(num_positions)
+        return draft(*a, num_positions=num_positions, **k)
+
+    drafter.draft = spy
+    rng = random.Random(7)
+    scorer = random_scorer(False, max_depth=15).to_weights()
+    for spec, want in (("taps", DEFAULT_MAX_DEPTH), ("taps-fixed:8", 15)):
+        asked.clear()
+        dec = SpeculativeDecoder(target, make_policy(spec, scorer=scorer, pool_size=24), drafter=drafter)
+        prompt = [rng.randrange(V) for _ in range(9)]
+        assert dec.generate(prompt, 24).token_ids == hf_greedy(target, prompt, 24), spec
+        assert asked and set(asked) == {want}, (spec, asked)
+    assert TapsPolicy(8, max_depth=None).draft_positions(15) == 15
+    with pytest.raises(PolicyError, match="max_depth.*received 0"):
+        TapsPolicy(8, max_depth=0)
