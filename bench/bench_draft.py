@@ -80,7 +80,7 @@ def main(argv=None):
                     rows.append(r)
                     print(f"P={P:2d} vocab={vname:5s}({r['vocab_size']:5d}) head={hname} logits={layout:4s} "
                           f"median {med:6.2f} ms  min {mn:6.2f} ms  cpu {cpu:6.2f} ms", flush=True)
-    # the drafter body (3 layers over the block) at the best head setting: fp32 weights with torch's linear,
+    # the drafter body (its layers over the block) at the best head setting: fp32 weights with torch's linear,
     # fp32 with the few-row kernel (taps_kernels.rows_linear), bf16 weights (load_drafter(dtype=bf16))
     from taps_kernels.integrations.rows_linear import restore_linear, use_rows_linear
 
