@@ -144,6 +144,10 @@ def test_train_from_an_initial_scorer(traces, models):
                             progress=False, init=first)
     for (k, a), b in zip(first.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), k
+    from taps.cli.scorer_cmds import _readme
+
+    doc = _readme("s", "taps train-scorer ...", {"init_from": "checkpoints/prev", "drafter": {}}, {}, {}, 1, False)
+    assert "Started from the scorer `checkpoints/prev`" in doc  # the recipe names where training started
     tiny, _ = train_scorer(train, val, emb, tiny=True, epochs=1, batch=8, seed=0, top_k=6, progress=False)
     with pytest.raises(ValueError, match="init: scorer shapes differ"):
         train_scorer(train, val, emb, epochs=1, batch=8, seed=0, top_k=6, progress=False, init=tiny)

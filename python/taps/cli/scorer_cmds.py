@@ -86,7 +86,9 @@ def _readme(name, cmd, meta, ev, hist, params, tiny, traces_doc=False):
              f"{meta.get('pool_size')}-node DDTree pools, top-{meta.get('top_k')} per position, greedy. "
              f"Loss: KL over children + other, plus 0.5 x BCE on propagated reach; target `{hist.get('target')}`; "
              f"AdamW lr {meta.get('lr')}, {len(hist.get('epochs', []))} epochs, best epoch {hist.get('best_epoch')}, "
-             f"{hist.get('seconds')} s on this CPU.", "",
+             f"{hist.get('seconds')} s on this CPU."
+             + (f" Started from the scorer `{meta['init_from']}` (trained for an earlier drafter; its recipe is in "
+                "that directory's history)." if meta.get("init_from") else ""), "",
              "## Held-out validation", "",
              "| metric | scorer | marginal product |", "|---|---|---|",
              f"| expected calibration error (reach vs real acceptance, {ev.get('bins')} bins) | {s.get('ece', 0):.4f} | {m.get('ece', 0):.4f} |",
