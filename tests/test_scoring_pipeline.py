@@ -241,3 +241,25 @@ def test_best_mix_maximises_the_aggregate_rate():
         rate = lambda p: float(torch.where(p, tok_a, tok_b).sum() / torch.where(p, t_a, t_b).sum())  # noqa: E731
         brute = max(rate(torch.tensor(bits, dtype=torch.bool)) for bits in itertools.product((0, 1), repeat=R))
         assert rate(pick) == pytest.approx(brute)
+
+
+def test_save_table_from_two_processes_at_once(tmp_path):
+    """Each writer has its own temporary file, so concurrent saves of one table never collide."""
+    import multiprocessing as mp
+
+    table = {"latency": [0.1, 0.2], "t0": 0.0, "machine": "m", "model": "x"}
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_save_many, args=(table, tmp_path / "t.json")) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert json.loads((tmp_path / "t.json").read_text())["latency"] == [0.1, 0.2]
+
+
+def _save_many(table, path):
+    from taps.scoring.latency import save_table
+
+    for _ in range(200):
+        save_table(table, path)

@@ -282,7 +282,7 @@ def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeat
 def save_table(table: dict, path: Optional[Path] = None) -> Path:
     p = Path(path) if path else cache_path(table["machine"], table["model"])
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
+    tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")  # two processes may save the same table at once
     tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, p)
     return p
