@@ -298,7 +298,7 @@ def _best_ddtree(summary):
 def _save(obj, path):
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
+    tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
     tmp.replace(p)
 

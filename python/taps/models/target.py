@@ -77,7 +77,9 @@ def convert_smollm2(out_dir: Optional[Path] = None, force: bool = False) -> Path
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    import shutil
+
+    tmp = out_dir.with_name(f"{out_dir.name}.{os.getpid()}.tmp")  # processes converting at once do not share it
     tmp.mkdir(parents=True, exist_ok=True)
     # a GGUF-loaded model refuses save_pretrained (it is flagged as quantised):
     # write the dequantised fp32 tensors and a clean config by hand.
@@ -98,8 +100,10 @@ def convert_smollm2(out_dir: Optional[Path] = None, force: bool = False) -> Path
     except Exception:
         pass
     tok.save_pretrained(str(tmp))
+    if out_dir.exists() and not force and (out_dir / "config.json").is_file() and _has_weights(out_dir):
+        shutil.rmtree(tmp)  # another process finished the same conversion first
+        return out_dir
     if out_dir.exists():
-        import shutil
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return out_dir
