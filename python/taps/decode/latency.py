@@ -200,7 +200,8 @@ def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int 
         batch[str(rows)] = measure_batch_latency(model, rows, n_max, prefix_len, repeats, layer_ids, seed)
     out_batch = {"batch_latency": batch} if batch else {}
     return {"latency": table, "raw": {str(k): v for k, v in raw.items()}, "t0": sum(t0_parts.values()), **out_batch,
-            "t0_parts": t0_parts, "drafter": drafter_key(drafter) if drafter is not None else None, "prefix_len": prefix_len, "repeats": repeats, "n_max": n_max,
+            "t0_parts": t0_parts, "drafter": drafter_key(drafter) if drafter is not None else None,
+            "prefix_len": prefix_len, "repeats": repeats, "n_max": n_max,
             "machine": machine_key(device), "model": model_key(model), "device": str(device),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
