@@ -314,10 +314,9 @@ def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool
         if path:
             return t
         if len(t["latency"]) >= n_max + 1:
-            key = drafter_key(drafter) if drafter is not None else None
-            if drafter is not None and t.get("drafter") != key:
+            if drafter is not None and t.get("drafter") != drafter_key(drafter):
                 t["t0_parts"] = measure_draft_time(model, drafter, repeats=max(repeats, 5))
-                t["t0"], t["drafter"] = sum(t["t0_parts"].values()), key
+                t["t0"], t["drafter"] = sum(t["t0_parts"].values()), drafter_key(drafter)
                 save_table(t, p)
             return t
     t = measure_latency(model, n_max=n_max, drafter=drafter, repeats=repeats, batch_sizes=batch_sizes)

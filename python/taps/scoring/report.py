@@ -98,15 +98,12 @@ def check_targets(run: dict) -> List[dict]:
                         "target": TARGETS["tau_vs_ddtree_same_budget"], "met": r >= TARGETS["tau_vs_ddtree_same_budget"]})
     if taps:
         best = run.get("best_ddtree")
-        rivals = [("DFlash", pol.get("dflash"), "tps_vs_dflash"),
-                  (f"best fixed-budget DDTree ({best})", pol.get(best) if best else None, "tps_vs_best_ddtree")]
-        ar_target = TAPS_VS_AR.get(run.get("dataset"))
-        if ar_target is not None:
-            rivals.insert(0, ("AR", pol.get("ar"), ar_target))
-        for label, rival, target in rivals:
-            if not rival:
+        rivals = [("AR", pol.get("ar"), TAPS_VS_AR.get(run.get("dataset"))),
+                  ("DFlash", pol.get("dflash"), TARGETS["tps_vs_dflash"]),
+                  (f"best fixed-budget DDTree ({best})", pol.get(best) if best else None, TARGETS["tps_vs_best_ddtree"])]
+        for label, rival, want in rivals:
+            if not rival or want is None:
                 continue
-            want = TARGETS[target] if isinstance(target, str) else target
             # per-prompt median tok/s, and the aggregate (total time per token, the protocol's speedup)
             for stat, key in (("median tok/s", "tokens_per_s_median"), ("aggregate tok/s", "speedup")):
                 if taps.get(key) and rival.get(key):

@@ -126,6 +126,10 @@ def evaluate_loss(model: TapsScorer, traces, tgt, emb, batch: int = 64) -> Dict[
     return {k: v / max(R, 1) for k, v in tot.items()}
 
 
+class InitShapeError(ValueError):
+    """``train_scorer(init=...)`` got a scorer whose shapes differ from the ones the traces ask for."""
+
+
 def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.Tensor]], emb: Optional[torch.Tensor],
                  tiny: bool = False, epochs: int = 30, batch: int = 32, lr: float = 3e-3, weight_decay: float = 0.01,
                  target: str = "greedy", seed: int = 0, top_k: int = 64, progress: bool = True,
@@ -153,7 +157,7 @@ def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.T
         got = {k: tuple(v.shape) for k, v in init.state_dict().items()}
         if want != got:
             diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-            raise ValueError(f"init: scorer shapes differ from the traces' (tiny={tiny}, hidden {H}, depth {D}); "
+            raise InitShapeError(f"init: scorer shapes differ from the traces' (tiny={tiny}, hidden {H}, depth {D}); "
                              f"first mismatches {[(k, got.get(k), want.get(k)) for k in diff[:3]]} (init, expected)")
         model.load_state_dict(init.state_dict())
     emb_used = None if tiny else emb
