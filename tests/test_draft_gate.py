@@ -222,3 +222,22 @@ def test_registry_names():
     assert make_policy("taps").use_gate and not make_policy("taps-nogate").use_gate
     assert make_policy("ddtree-cost").use_gate and not make_policy("ddtree-cost-nogate").use_gate
     assert not make_policy("taps-fixed:8").use_gate and not make_policy("taps-paper").use_gate
+
+
+def test_round_cost_is_the_draft_at_the_policy_depth():
+    """A depth-capped TAPS policy costs a drafted round at the positions it projects; DDTree-cost at all."""
+    target, drafter = tiny_target(0), tiny_drafter(0)  # block 5: 4 draft positions
+    latency = {"latency": [0.05 + 0.01 * n for n in range(65)], "t0": 0.045,
+               "t0_parts": {"draft": 0.04, "context": 0.005, "draft_by_positions": [0.01, 0.02, 0.03, 0.04]}}
+    capped = TapsPolicy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
+                        latency=latency, max_depth=2)
+    capped.bind(target, drafter, "cpu")
+    assert capped._t0 == pytest.approx(0.02 + 0.005)
+    full = CostAwareDDTreePolicy(8, latency=latency)
+    full.bind(target, drafter, "cpu")
+    assert full._t0 == pytest.approx(0.045)
+    old = {k: v for k, v in latency.items() if k != "t0_parts"}  # a table without per-position times: its t0
+    capped = TapsPolicy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
+                        latency=old, max_depth=2)
+    capped.bind(target, drafter, "cpu")
+    assert capped._t0 == pytest.approx(0.045)

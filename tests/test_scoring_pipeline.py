@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import hf_greedy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
+from taps.decode.latency import round_seconds
 from taps.scoring.evaluate import evaluate_scorer, reliability
 from taps.scoring.latency import drafter_key, get_table, isotonic, measure_latency
 from taps.scoring.traces import accepted_mask, load_traces, split_by_prompt, stack_records, trace_prompt
@@ -182,7 +183,13 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
     lat = t["latency"]
     assert len(lat) == 11
     assert all(x > 0 for x in lat) and all(b >= a for a, b in zip(lat, lat[1:]))
-    assert t["t0"] > 0 and set(t["t0_parts"]) == {"draft", "context"}
+    parts = t["t0_parts"]
+    assert t["t0"] > 0 and set(parts) == {"draft", "context", "draft_by_positions"}
+    by_pos = parts["draft_by_positions"]
+    assert len(by_pos) == drafter.config.block_size - 1 and all(b >= a > 0 for a, b in zip(by_pos, by_pos[1:]))
+    assert parts["draft"] == by_pos[-1] and t["t0"] == parts["draft"] + parts["context"]
+    assert round_seconds(t) == t["t0"] and round_seconds(t, 1) == by_pos[0] + parts["context"]
+    assert round_seconds(t, 99) == t["t0"] and round_seconds({"t0": 0.5}, 3) == 0.5
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
     monkeypatch.delenv("TAPS_LATENCY", raising=False)
     t1 = get_table(target, None, n_max=6, repeats=1)
@@ -194,6 +201,7 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
     # a drafter the cached t0 was not measured with: t0 alone is measured and saved, the verify table stays
     t3 = get_table(target, drafter, n_max=6)
     assert t3["latency"] == t1["latency"] and t3["t0"] > 0 and t3["drafter"] == drafter_key(drafter)
+    assert len(t3["t0_parts"]["draft_by_positions"]) == drafter.config.block_size - 1
     assert json.loads(files[0].read_text())["drafter"] == drafter_key(drafter)
     drafter.head_dtype = torch.bfloat16  # another head dtype is another drafter cost
     try:

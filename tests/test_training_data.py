@@ -183,3 +183,56 @@ def test_shard_format2_roundtrip_and_expected_counts(tmp_path):
     mass = sum(float(r.topk_logp.half().float().exp().sum()) for r in res)
     torch.testing.assert_close(exp.sum(), torch.tensor(float(raw.sum()) + mass, dtype=torch.float64),
                                atol=1e-3, rtol=1e-6)
+
+
+def test_train_drafter_resumes_from_its_checkpoint_without_the_parent(tmp_path, monkeypatch):
+    """A run started from a parent's layers 0 and 2 resumes from ``ckpt.pt`` alone: architecture, weights and
+    step come from the checkpoint even when the parent is gone and ``num_layers`` says otherwise."""
+    import json
+
+    import taps.models.target as target_mod
+    from taps.training.data import _pack_shard
+    from taps.training.train import train_drafter
+
+    target = tiny_target(2)
+    monkeypatch.setattr(target_mod, "load_target", lambda name, **kw: (target, None))
+    data = tmp_path / "data"
+    data.mkdir()
+    gen = LlamaGenerator(target, layer_ids=[0, 1])
+    for s in range(2):
+        res = gen.generate([[5 + s, 9, 11], [7, 3 + s]], 24, eos_id=-1, topk=4)
+        torch.save(_pack_shard(res, ["code", "chat"], [2 * s, 2 * s + 1], [0, 1], torch.float16, 4),
+                   data / f"shard_{s:05d}.pt")
+    (data / "meta.json").write_text(json.dumps({"layer_ids": [0, 1]}))
+    parent = tmp_path / "parent"
+    tiny_drafter(layers=3, target_layers=6).save_pretrained(parent)
+    base = dict(data=str(data), out=str(tmp_path / "run"), block_size=5, anchors_per_seq=2, batch_size=2,
+                max_seq_len=64, warmup=1, save_every=1, holdout_shards="0", kl_weight=1.0, threads=1)
+    first = train_drafter(TrainConfig(steps=2, init_from=str(parent), init_layers="0,2", **base))
+    assert first.config.num_hidden_layers == 2
+    ck = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    assert ck["step"] == 2
+    import shutil
+
+    shutil.rmtree(parent)
+    resumed = train_drafter(TrainConfig(steps=3, num_layers=5, **base))
+    assert resumed.config.num_hidden_layers == 2
+    ck = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    assert ck["step"] == 3
+    # the parent's features were unscaled; a resumed run must not start scaling them halfway
+    assert first.feature_scale is None and resumed.feature_scale is None and ck["feat_scale"] is None
+
+
+def test_extend_prompts_keeps_the_written_ones_in_place(monkeypatch):
+    import taps.training.prompts as prompts_mod
+    from taps.training.prompts import EvalFilter, build_prompts, extend_prompts
+
+    ef = EvalFilter()
+    first = build_prompts(12, seed=4, eval_filter=ef)
+    grown = extend_prompts(first, 30, seed=4, eval_filter=ef)
+    assert grown[:12] == first and len(grown) == 30
+    assert len({p["id"] for p in grown}) == 30
+    assert extend_prompts(grown, 30, seed=4, eval_filter=ef) == grown
+    monkeypatch.setattr(prompts_mod, "build_prompts", lambda n, **kw: grown)  # sources that hold 30 prompts
+    with pytest.raises(ValueError, match="num_prompts: expected at most 30"):
+        extend_prompts(first, 31, seed=4, eval_filter=ef)

@@ -219,7 +219,11 @@ def _cmd_calibrate(args):
                         progress=True, batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b.strip()])
     p = save_table(t, args.out or cache_path(t["machine"], t["model"]))
     raw = {int(k): v for k, v in t["raw"].items()}
-    print(f"machine {t['machine']}\nmodel {t['model']}\nt0 {1000 * t['t0']:.1f} ms {t['t0_parts']}")
+    parts = t["t0_parts"]
+    print(f"machine {t['machine']}\nmodel {t['model']}\nt0 {1000 * t['t0']:.1f} ms")
+    if parts:
+        by_pos = " ".join(f"{1000 * x:.1f}" for x in parts["draft_by_positions"])
+        print(f"  context {1000 * parts['context']:.1f} ms; draft projecting 1..D positions (ms): {by_pos}")
     for n in sorted(raw):
         print(f"  n={n:>4}  {1000 * raw[n]:8.1f} ms measured  {1000 * t['latency'][n]:8.1f} ms table")
     for rows, table in t.get("batch_latency", {}).items():

@@ -199,7 +199,8 @@ def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int 
     for rows in sorted(set(int(b) for b in (batch_sizes or []) if int(b) > 1)):
         batch[str(rows)] = measure_batch_latency(model, rows, n_max, prefix_len, repeats, layer_ids, seed)
     out_batch = {"batch_latency": batch} if batch else {}
-    return {"latency": table, "raw": {str(k): v for k, v in raw.items()}, "t0": sum(t0_parts.values()), **out_batch,
+    t0 = t0_parts["draft"] + t0_parts["context"] if t0_parts else 0.0
+    return {"latency": table, "raw": {str(k): v for k, v in raw.items()}, "t0": t0, **out_batch,
             "t0_parts": t0_parts, "drafter": drafter_key(drafter) if drafter is not None else None,
             "prefix_len": prefix_len, "repeats": repeats, "n_max": n_max,
             "machine": machine_key(device), "model": model_key(model), "device": str(device),
@@ -246,10 +247,12 @@ def measure_batch_latency(model, rows: int, n_max: int, prefix_len: int = 256, r
 
 @torch.inference_mode()
 def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeats: int = 3,
-                       prefix_len: int = 256, seed: int = 0) -> Dict[str, float]:
-    """``{"draft", "context"}``: median seconds of one draft pass (all block positions) over a context of
-    ``prefix_len`` tokens and of appending 4 accepted tokens' features to the drafter's context. Prefills
-    its own random prompt unless the caller's verifier (``ver``, ``prompt [1, S]``, ``feats``) is given."""
+                       prefix_len: int = 256, seed: int = 0) -> Dict[str, object]:
+    """``{"draft", "context", "draft_by_positions"}``: median seconds of one draft pass projecting all block
+    positions over a context of ``prefix_len`` tokens, of appending 4 accepted tokens' features to the
+    drafter's context, and ``[D]`` seconds of a pass projecting only positions ``1..P`` (index ``P-1``,
+    non-decreasing; what a policy with a depth cap pays). Prefills its own random prompt unless the caller's
+    verifier (``ver``, ``prompt [1, S]``, ``feats``) is given."""
     device = next(model.parameters()).device
     if ver is None:
         from .verifier import TargetVerifier
@@ -263,21 +266,40 @@ def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeat
     drafter.append_context(state, feats)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     bonus = prompt[:, -1].to(device)
-    dts, cts = [], []
-    for r in range(repeats + 1):
+    D = drafter.config.block_size - 1
+
+    def timed(fn):
         _sync(device)
         t = time.perf_counter()
-        drafter.draft(state, bonus, embed, head)
+        fn()
         _sync(device)
-        t1 = time.perf_counter()
-        drafter.append_context(state, feats[:, :4])
-        _sync(device)
-        t2 = time.perf_counter()
-        drafter.rollback(state, prefix_len)
-        if r:
-            dts.append(t1 - t)
-            cts.append(t2 - t1)
-    return {"draft": statistics.median(dts), "context": statistics.median(cts)}
+        return time.perf_counter() - t
+
+    by_positions, cts = [], []
+    for P in range(1, D + 1):
+        dts = []
+        for r in range(repeats + 1):
+            dt = timed(lambda: drafter.draft(state, bonus, embed, head, num_positions=P))
+            if P == D:
+                ct = timed(lambda: drafter.append_context(state, feats[:, :4]))
+                drafter.rollback(state, prefix_len)
+                if r:
+                    cts.append(ct)
+            if r:
+                dts.append(dt)
+        by_positions.append(statistics.median(dts))
+    by_positions = isotonic(by_positions)
+    return {"draft": by_positions[-1], "context": statistics.median(cts), "draft_by_positions": by_positions}
+
+
+def round_seconds(latency: dict, positions: Optional[int] = None) -> float:
+    """The fixed seconds of a drafted round: the draft pass (projecting ``positions`` block positions; default
+    all) plus the context update, from a table's ``t0_parts`` (its ``t0`` when they are absent)."""
+    parts = latency.get("t0_parts") or {}
+    by_positions = parts.get("draft_by_positions")
+    if positions is None or not by_positions:
+        return float(latency.get("t0", 0.0))
+    return float(by_positions[min(max(int(positions), 1), len(by_positions)) - 1]) + float(parts.get("context", 0.0))
 
 
 def save_table(table: dict, path: Optional[Path] = None) -> Path:
@@ -304,7 +326,8 @@ def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool
               repeats: int = 2, batch_sizes: Optional[List[int]] = None) -> dict:
     """The cached table for this machine and model (``$TAPS_LATENCY`` or ``path`` overrides the cache
     location); measured now and cached when missing or shorter than ``n_max + 1``. A cached table whose
-    ``t0`` was measured with another drafter (:func:`drafter_key`) gets ``t0`` re-measured and saved; an
+    ``t0`` was measured with another drafter (:func:`drafter_key`) or without ``draft_by_positions`` gets
+    ``t0`` re-measured and saved; an
     explicit table (``path``/``$TAPS_LATENCY``) is used as it is."""
     path = path or os.environ.get("TAPS_LATENCY")
     device = next(model.parameters()).device
@@ -314,9 +337,10 @@ def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool
         if path:
             return t
         if len(t["latency"]) >= n_max + 1:
-            if drafter is not None and t.get("drafter") != drafter_key(drafter):
-                t["t0_parts"] = measure_draft_time(model, drafter, repeats=max(repeats, 5))
-                t["t0"], t["drafter"] = sum(t["t0_parts"].values()), drafter_key(drafter)
+            if drafter is not None and (t.get("drafter") != drafter_key(drafter)
+                                        or "draft_by_positions" not in t.get("t0_parts", {})):
+                parts = t["t0_parts"] = measure_draft_time(model, drafter, repeats=max(repeats, 5))
+                t["t0"], t["drafter"] = parts["draft"] + parts["context"], drafter_key(drafter)
                 save_table(t, p)
             return t
     t = measure_latency(model, n_max=n_max, drafter=drafter, repeats=repeats, batch_sizes=batch_sizes)

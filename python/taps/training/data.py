@@ -41,7 +41,7 @@ import torch
 from taps.models.drafter import default_target_layer_ids
 from taps.models.target import apply_chat_template, load_target
 from taps.paths import portable_command, portable_record
-from taps.training.prompts import build_prompts
+from taps.training.prompts import build_prompts, extend_prompts
 
 
 class _FeatureCapture:
@@ -217,6 +217,9 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
     if code_p.exists():
         code = [json.loads(l) for l in code_p.read_text().splitlines()]
         dropped = json.loads(man_p.read_text()).get("eval_filter_dropped") if man_p.exists() else None
+        if len(code) < nshards * n_code:  # a resumed run asked for more prompts: the written ones keep their index
+            code = extend_prompts(code, nshards * n_code, seed=cfg.seed, eval_filter=ef)
+            _atomic_write(code_p, "".join(json.dumps(p) + "\n" for p in code))
     else:
         code = build_prompts(nshards * n_code, seed=cfg.seed, eval_filter=ef)
         dropped = getattr(build_prompts, "last_dropped", None)

@@ -219,3 +219,22 @@ def build_prompts(num_prompts: int, seed: int = 0, max_prompt_chars: int = 900,
     out = out[:num_prompts]
     build_prompts.last_dropped = dropped
     return out
+
+
+def extend_prompts(prompts: List[dict], num_prompts: int, seed: int = 0,
+                   eval_filter: Optional[EvalFilter] = None) -> List[dict]:
+    """``prompts`` (unchanged, in order) followed by prompts of :func:`build_prompts` not among them (by id), up
+    to ``num_prompts`` in all: a resumed data run grows without moving a written prompt's index. Raises
+    ValueError when the source files hold too few distinct prompts."""
+    out = list(prompts)
+    have = {p["id"] for p in out}
+    for pr in build_prompts(2 * num_prompts, seed=seed, eval_filter=eval_filter):
+        if len(out) >= num_prompts:
+            break
+        if pr["id"] not in have:
+            have.add(pr["id"])
+            out.append(pr)
+    if len(out) < num_prompts:
+        raise ValueError(f"num_prompts: expected at most {len(out)} distinct code prompts from the installed "
+                         f"sources, received {num_prompts}")
+    return out

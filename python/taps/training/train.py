@@ -294,7 +294,8 @@ class TrainConfig:
     """Options of :func:`train_drafter` (``train-drafter`` on the command line).
 
     ``init_from``: a drafter directory whose weights (and architecture, but ``block_size``) a NEW run starts
-    from (a run that finds ``<out>/ckpt.pt`` resumes from it instead; ``num_layers`` is then ignored);
+    from (a run that finds ``<out>/ckpt.pt`` resumes from it instead, architecture included, and reads
+    neither ``init_from`` nor ``num_layers``);
     ``init_layers``: comma list of its layer indices to keep, in order (a shallower, cheaper drafter that starts
     from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
@@ -398,7 +399,14 @@ def train_drafter(cfg: TrainConfig):
                        max_position_embeddings=tc.max_position_embeddings)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    if tcfg.init_from is not None:
+    ck = outp / "ckpt.pt"
+    st = torch.load(str(ck), weights_only=False) if ck.exists() else None
+    if st is not None and st.get("config"):
+        # the checkpoint carries its architecture: a resumed run needs neither init_from nor the parent it named
+        cfg = DFlashConfig.from_dict(st["config"])
+        mask_id = cfg.mask_token_id
+        drafter = DFlashDrafter(cfg)
+    elif tcfg.init_from is not None:
         from taps.models.drafter import load_drafter
 
         init = load_drafter(tcfg.init_from, target_config=tc)
@@ -434,11 +442,9 @@ def train_drafter(cfg: TrainConfig):
                              {"params": nodecay, "weight_decay": 0.0, "lr_mult": norm_lr_mult}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     step = 0
-    ck = outp / "ckpt.pt"
     feat_scale = None
     extra = {"train_seconds": 0.0, "blocks_seen": 0, "rows_seen": 0}
-    if ck.exists():
-        st = torch.load(str(ck), weights_only=False)
+    if st is not None:
         drafter.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
@@ -473,7 +479,7 @@ def train_drafter(cfg: TrainConfig):
         if len(ds) == 0:
             time.sleep(10)
             continue
-        if normalize_features and drafter.feature_scale is None and tcfg.init_from is None:
+        if normalize_features and drafter.feature_scale is None and tcfg.init_from is None and st is None:
             drafter.set_feature_scale(feature_scale_from_data(ds))
             print("feature scale set from data (folded into fc.weight on save)", flush=True)
         tf = 0.0

@@ -28,6 +28,7 @@ import torch
 import taps_kernels
 from taps_kernels import Tree
 
+from ..latency import round_seconds
 from ..tree_ops import depth_mask, keep_nodes, pad_tree, slice_tree
 from .base import BuiltTree, TreePolicy
 
@@ -224,11 +225,12 @@ class GatedPolicy(TreePolicy):
         """The one-row table (seconds for root + n nodes, ``n <= max_nodes``)."""
         return None if self._latency is None else self._batch_table(1)
 
-    def _bind_throughput(self, latency: dict, max_nodes: int) -> None:
-        """Keep the latency table, the fixed round time and the node cap; make the gate."""
+    def _bind_throughput(self, latency: dict, max_nodes: int, draft_positions: Optional[int] = None) -> None:
+        """Keep the latency table, the fixed round time (a draft projecting ``draft_positions`` block positions,
+        default all) and the node cap; make the gate."""
         self._latency = latency
         self._tables = {}
-        self._t0 = float(latency.get("t0", 0.0))
+        self._t0 = round_seconds(latency, draft_positions)
         self._max_nodes = int(max_nodes)
         self.gate = DraftGate() if self.use_gate else None
 

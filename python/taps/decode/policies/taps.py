@@ -132,7 +132,8 @@ class TapsPolicy(GatedPolicy):
         if self.rule == "reach" and self.latency is None:
             self.latency = get_table(target_model, drafter, n_max=self.max_nodes)
         if self.rule == "reach":
-            self._bind_throughput(self.latency, self.max_nodes)
+            positions = self.draft_positions(drafter.config.block_size - 1) if drafter is not None else None
+            self._bind_throughput(self.latency, self.max_nodes, positions)
 
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         if self.weights is None:
