@@ -275,20 +275,17 @@ def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeat
         _sync(device)
         return time.perf_counter() - t
 
-    by_positions, cts = [], []
-    for P in range(1, D + 1):
-        dts = []
-        for r in range(repeats + 1):
+    dts, cts = {P: [] for P in range(1, D + 1)}, []
+    for r in range(repeats + 1):  # positions interleaved within each repeat: drift and warm-up hit all alike
+        for P in dts:
             dt = timed(lambda: drafter.draft(state, bonus, embed, head, num_positions=P))
-            if P == D:
-                ct = timed(lambda: drafter.append_context(state, feats[:, :4]))
-                drafter.rollback(state, prefix_len)
-                if r:
-                    cts.append(ct)
             if r:
-                dts.append(dt)
-        by_positions.append(statistics.median(dts))
-    by_positions = isotonic(by_positions)
+                dts[P].append(dt)
+        ct = timed(lambda: drafter.append_context(state, feats[:, :4]))
+        drafter.rollback(state, prefix_len)
+        if r:
+            cts.append(ct)
+    by_positions = isotonic([statistics.median(dts[P]) for P in dts])
     return {"draft": by_positions[-1], "context": statistics.median(cts), "draft_by_positions": by_positions}
 
 
