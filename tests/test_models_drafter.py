@@ -325,6 +325,11 @@ def test_draft_vocab_logits_are_the_full_logits_restricted(head_dtype, tol):
     torch.testing.assert_close(sub, full[..., sids], atol=0, rtol=0)
     k = 4
     assert torch.equal(sids[sub.topk(k, -1).indices], full.topk(k, -1).indices)
+    # the per-call choice overrides the attribute, which stays as it was
+    again = m.draft(st, torch.tensor([3]), emb, head, num_positions=3, full_vocab_logits=True)[0]
+    assert torch.equal(again, full) and m.full_vocab_logits is False
+    m.full_vocab_logits = True
+    assert torch.equal(m.draft(st, torch.tensor([3]), emb, head, num_positions=3, full_vocab_logits=False)[0], sub)
     m.set_draft_vocab(None)
     m.full_vocab_logits = True
     torch.testing.assert_close(m.draft(st, torch.tensor([3]), emb, head)[0], ref, atol=0, rtol=0)

@@ -18,8 +18,22 @@ def _check_logits(draft_logits: torch.Tensor) -> None:
     check_nonempty("draft_logits", draft_logits, [(0, "batch row"), (1, "draft position"), (2, "vocabulary entry")])
 
 
+def _check_vocab_ids(vocab_ids: torch.Tensor, draft_logits: torch.Tensor, validate: Optional[str]) -> None:
+    V = draft_logits.shape[2]
+    check_tensor("vocab_ids", vocab_ids, dtypes=(torch.int64,), shape=(V,), device=draft_logits.device)
+    if values_checked(validate, vocab_ids.device):
+        if int(vocab_ids[0]) < 0:
+            raise ValueError(f"vocab_ids[0]: expected token ids >= 0, received {int(vocab_ids[0])}")
+        bad = vocab_ids[1:] <= vocab_ids[:-1]
+        if bool(bad.any()):
+            (j,) = first_index(bad)
+            raise ValueError(f"vocab_ids[{j + 1}]: expected strictly increasing token ids (ties then rank by "
+                             f"token id as in the full vocabulary), received {int(vocab_ids[j + 1])} after "
+                             f"{int(vocab_ids[j])}")
+
+
 def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = None,
-               validate: Optional[str] = None) -> TopKStats:
+               validate: Optional[str] = None, vocab_ids: Optional[torch.Tensor] = None) -> TopKStats:
     """Per-position top-K of the draft marginals plus the statistics the scorer reads.
 
     Args:
@@ -30,6 +44,10 @@ def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = 
         top_k: tokens kept per position (an int >= 1, numpy/torch integers accepted); ``K = min(top_k, V)``.
         validate: ``"auto"`` (default, or ``TAPS_VALIDATE``): value checks on CPU tensors only; ``"full"``: on any
             device (synchronises a GPU); ``"none"``: none.
+        vocab_ids: optional ``[V] int64`` strictly increasing token ids: ``draft_logits`` covers a reduced draft
+            vocabulary whose column ``j`` is token ``vocab_ids[j]`` (every other token impossible). The
+            results equal those of the full-vocabulary logits with ``-inf`` outside it, at a fraction of the
+            cost; ``topk_ids`` are token ids.
     Returns:
         :class:`TopKStats` with ``topk_logp [B,D,K] f32`` (log-softmax values, descending, ties to the
         smallest token id), ``topk_ids [B,D,K] int64``, ``entropy [B,D] f32`` (nats),
@@ -40,6 +58,8 @@ def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = 
     _check_logits(draft_logits)
     top_k = check_int("top_k", top_k)
     B, D, V = draft_logits.shape
+    if vocab_ids is not None:
+        _check_vocab_ids(vocab_ids, draft_logits, validate)
     backend = differentiable_backend("topk_stats", backend, [("draft_logits", draft_logits)])
     if values_checked(validate, draft_logits.device):
         check_finite_logits("draft_logits", draft_logits)
@@ -49,6 +69,8 @@ def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = 
     # scorer's LayerNorm would turn an infinite feature into NaN). The backends do so already; this keeps
     # the guarantee for any registered implementation.
     margin = torch.where(torch.isinf(margin), torch.zeros_like(margin), margin)
+    if vocab_ids is not None:  # sorted ids: column order is token order, so ties already fell to the smaller id
+        topk_ids = vocab_ids[topk_ids]
     return TopKStats(topk_logp, topk_ids, entropy, margin, topk_mass)
 
 
@@ -97,7 +119,7 @@ def best_first_pool(stats: TopKStats, root_tokens: torch.Tensor, pool_size: int,
 
 def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k: int, pool_size: int,
                    backend: Optional[str] = None, pool_backend: Optional[str] = None,
-                   validate: Optional[str] = None) -> CandidatePool:
+                   validate: Optional[str] = None, vocab_ids: Optional[torch.Tensor] = None) -> CandidatePool:
     """Build the candidate pool of a draft block.
 
     Args:
@@ -107,6 +129,8 @@ def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k:
         pool_size: non-root nodes in the pool (``>= 1``). With ``pool_size = B`` this is the DDTree tree of budget B.
         backend: backend of the top-K pass; ``pool_backend`` of the best-first search (default: same rule).
         validate: value checks (non-finite logits, root token range), as in :func:`topk_stats`.
+        vocab_ids: optional ``[V] int64`` token id of each logit column (a reduced draft vocabulary), as in
+            :func:`topk_stats`; the pool's tokens are token ids, and root tokens are only checked to be ``>= 0``.
     Non-finite logits follow :func:`topk_stats`; no backward (``draft_logits`` requiring grad is refused).
     Returns:
         :class:`CandidatePool`: ``.tree`` (``N = pool_size + 1`` rows, see ``taps_kernels.layout``),
@@ -121,11 +145,14 @@ def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k:
     check_no_grad("candidate_pool", [("draft_logits", draft_logits)])
     V = draft_logits.shape[2]
     if values_checked(validate, draft_logits.device):
-        bad = (root_tokens < 0) | (root_tokens >= V)
+        bad = root_tokens < 0
+        if vocab_ids is None:
+            bad |= root_tokens >= V
         if bool(bad.any()):
             (b,) = first_index(bad)
-            raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is outside the vocabulary [0, {V})")
-    stats = topk_stats(draft_logits, top_k, backend=backend, validate=validate)
+            span = f"[0, {V})" if vocab_ids is None else ">= 0"
+            raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is outside the vocabulary {span}")
+    stats = topk_stats(draft_logits, top_k, backend=backend, validate=validate, vocab_ids=vocab_ids)
     # The lattice comes from checked (or, under validate="none" / on a GPU, trusted) logits: no second scan.
     validate = "none"
     pool_device = stats.topk_logp.device

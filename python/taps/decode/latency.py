@@ -278,7 +278,7 @@ def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeat
     dts, cts = {P: [] for P in range(1, D + 1)}, []
     for r in range(repeats + 1):  # positions interleaved within each repeat: drift and warm-up hit all alike
         for P in dts:
-            dt = timed(lambda: drafter.draft(state, bonus, embed, head, num_positions=P))
+            dt = timed(lambda: drafter.draft(state, bonus, embed, head, num_positions=P, full_vocab_logits=False))
             if r:
                 dts[P].append(dt)
         ct = timed(lambda: drafter.append_context(state, feats[:, :4]))

@@ -172,6 +172,10 @@ class BatchDecoder:
             self._draft_positions = self.drafter.config.block_size - 1
         else:
             self._draft_positions = 0
+        draft_vocab = getattr(self.drafter, "draft_vocab", None)
+        # reduced-vocabulary logits for policies that map the columns back: the pool scans a third of the columns
+        self._sub_vocab_logits = draft_vocab is not None and policy.handles_draft_vocab
+        policy.vocab_ids = draft_vocab if self._sub_vocab_logits else None
         policy.bind(target, self.drafter, self.device)
         self._rows: List[Optional[_Row]] = [None] * max_batch
         self._queue: List[tuple] = []
@@ -343,7 +347,8 @@ class BatchDecoder:
             return BuiltTree(root_only_tree(bonus))
         with timer("draft"):
             logits, hidden = self.drafter.draft(self._state, bonus, self._embed, self._head, rows=state_rows,
-                                                num_positions=self.policy.draft_positions(self._draft_positions))
+                                                num_positions=self.policy.draft_positions(self._draft_positions),
+                                                full_vocab_logits=not self._sub_vocab_logits)
         return self.policy.build(logits, hidden, bonus, depth_cap, timer, rows)
 
     def _choose(self, logits: torch.Tensor, rows: List[Optional[_Row]]) -> torch.Tensor:

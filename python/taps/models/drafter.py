@@ -606,7 +606,8 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, state: DFlashState, bonus_tokens: torch.Tensor, embed_tokens, lm_head,
-              rows: Optional[slice] = None, num_positions: Optional[int] = None):
+              rows: Optional[slice] = None, num_positions: Optional[int] = None,
+              full_vocab_logits: Optional[bool] = None):
         """One draft pass for rows of the state (default: rows ``0 .. B-1``, one per bonus token).
 
         bonus_tokens ``[B] int64``: row b's block is ``[bonus, MASK x D]`` at positions
@@ -618,7 +619,8 @@ class DFlashDrafter(nn.Module):
         vocabulary (a policy that never uses deeper positions passes its depth cap); with
         :attr:`short_blocks` the block itself is ``[bonus, MASK x P]``.
         Returns ``(logits [B,P,V] float32, hidden [B,P,H])`` for block positions ``1..P`` (with a draft
-        vocabulary: ``-inf`` outside it, or ``[B,P,V_draft]`` when :attr:`full_vocab_logits` is False). The state's
+        vocabulary: ``-inf`` outside it, or ``[B,P,V_draft]`` when ``full_vocab_logits`` is False; None: the
+        attribute :attr:`full_vocab_logits`). The state's
         lengths and context rows are not modified (the block's K/V go to scratch rows past each length).
         """
         c = self.config
@@ -648,7 +650,8 @@ class DFlashDrafter(nn.Module):
             x = layer.forward_cached(x, cos, sin, state.k_buf[l][sl], state.v_buf[l][sl], index, kv_len, key_mask)
         # only the positions the caller can use go through the final norm and the vocabulary head
         hidden = self.norm(x[:, 1:1 + P])
-        return self._vocab_logits(hidden, lm_head), hidden
+        full = self.full_vocab_logits if full_vocab_logits is None else bool(full_vocab_logits)
+        return self._vocab_logits(hidden, lm_head, full), hidden
 
     #: True: ``draft(num_positions=P)`` runs the block ``[bonus, MASK x P]`` (P + 1 rows) instead of the trained
     #: ``block_size`` rows: fewer rows through the layers (on a CPU, where the layers stream their weights once
@@ -681,9 +684,9 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab = ids.to(self.fc.weight.device)
         self.config.draft_vocab_size = int(ids.numel())
 
-    def _vocab_logits(self, hidden: torch.Tensor, lm_head) -> torch.Tensor:
+    def _vocab_logits(self, hidden: torch.Tensor, lm_head, full_vocab: bool = True) -> torch.Tensor:
         """``lm_head(hidden)`` in float32, computed in :attr:`head_dtype` (a cached copy of the weight) over
-        the draft vocabulary when one is set (see :attr:`full_vocab_logits` for the output layout)."""
+        the draft vocabulary when one is set (``full_vocab``: the layout :attr:`full_vocab_logits` describes)."""
         w = lm_head.weight
         dt = self.head_dtype or w.dtype
         ids = self.draft_vocab
@@ -701,7 +704,7 @@ class DFlashDrafter(nn.Module):
                 self._head_copy = (key, wc.to(dt).contiguous(), None if bc is None else bc.to(dt))
             out = F.linear(rows, self._head_copy[1], self._head_copy[2])
         out = out.float()
-        if ids is None or not self.full_vocab_logits:
+        if ids is None or not full_vocab:
             return out.view(*hidden.shape[:-1], -1)
         full = out.new_full((out.shape[0], w.shape[0]), float("-inf"))
         full.index_copy_(1, ids.to(out.device), out)

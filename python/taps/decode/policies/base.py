@@ -83,6 +83,12 @@ class TreePolicy:
     #: every tree this policy builds is a chain (node i at depth i): the loop then skips KV moves (and, on the
     #: sdpa path with equal row lengths, the tree mask)
     chain_trees: bool = False
+    #: :meth:`build` maps logit columns through :attr:`vocab_ids`: the loop may then hand it the drafter's
+    #: reduced-vocabulary logits (a third of the columns for a 16K draft vocabulary; the pool costs less)
+    handles_draft_vocab: bool = False
+    #: ``[V_draft] int64`` sorted token ids of the logit columns :meth:`build` receives (set by the loop before
+    #: :meth:`bind` when the drafter has a draft vocabulary and :attr:`handles_draft_vocab`), else None
+    vocab_ids: Optional[torch.Tensor] = None
 
     def bind(self, target_model, drafter, device: torch.device) -> None:
         """Hook called once before decoding; policies with learned parts load or move them here."""
@@ -111,7 +117,8 @@ class TreePolicy:
 
         Args:
             draft_logits: ``[B, D, V]`` drafter logits for block positions 1..D (position ``i`` proposes
-                depth ``i + 1``), or None when ``uses_drafter`` is False.
+                depth ``i + 1``), or None when ``uses_drafter`` is False; with :attr:`vocab_ids` set,
+                ``[B, D, V_draft]`` whose column ``j`` is token ``vocab_ids[j]``.
             draft_hidden: ``[B, D, H]`` drafter hidden states at the same positions (or None).
             bonus: ``[B] int64`` the roots (each row's last, not yet verified, target choice).
             depth_cap: ``[B] int64`` deepest node each row may keep (nodes below could only produce tokens

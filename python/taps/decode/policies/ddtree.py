@@ -20,6 +20,8 @@ class DDTreePolicy(TreePolicy):
     the top-K used.
     """
 
+    handles_draft_vocab = True
+
     def __init__(self, budget: int = DEFAULT_BUDGET):
         self.budget = budget
 
@@ -31,6 +33,7 @@ class DDTreePolicy(TreePolicy):
         timer = timer or NO_TIMER
         with timer("pool"):
             pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
+                                               vocab_ids=self.vocab_ids,
                                                top_k=min(self.budget, draft_logits.shape[-1]),
                                                pool_size=self.budget)
             tree = pool.tree if depth_cap is None else truncate_depth(pool.tree, depth_cap)

@@ -23,6 +23,8 @@ class CostAwareDDTreePolicy(GatedPolicy):
     decided jointly for the batch, with the same draft gating as ``taps`` on the marginal products' expected
     tokens (``gate=False``: none)."""
 
+    handles_draft_vocab = True
+
     def __init__(self, max_nodes: int = DEFAULT_CAP, latency: Optional[dict] = None, gate: bool = True):
         super().__init__(gate=gate)
         self.max_nodes = max_nodes
@@ -39,6 +41,7 @@ class CostAwareDDTreePolicy(GatedPolicy):
         timer = timer or NO_TIMER
         with timer("pool"):
             pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
+                                               vocab_ids=self.vocab_ids,
                                                top_k=min(self.max_nodes, draft_logits.shape[-1]),
                                                pool_size=self.max_nodes)
         with timer("selection"):

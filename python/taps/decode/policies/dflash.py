@@ -10,11 +10,13 @@ class DFlashPolicy(TreePolicy):
     row's depth cap; ``N = D + 1`` columns."""
 
     chain_trees = True
+    handles_draft_vocab = True
 
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         timer = timer or NO_TIMER
         with timer("selection"):
-            tree = chain_tree(bonus, draft_logits.argmax(-1))
+            ids = draft_logits.argmax(-1)  # sorted vocab_ids: the smallest column is the smallest token id
+            tree = chain_tree(bonus, ids if self.vocab_ids is None else self.vocab_ids[ids])
             if depth_cap is not None:
                 tree = truncate_depth(tree, depth_cap)
         return BuiltTree(tree)

@@ -83,6 +83,8 @@ class TapsPolicy(GatedPolicy):
             ``taps-fixed`` and ``taps-paper`` keep every position (equal-budget comparisons).
     """
 
+    handles_draft_vocab = True
+
     def __init__(self, max_nodes: int = DEFAULT_CAP, rule: str = "reach", pool_size: Optional[int] = None,
                  tiny: bool = False, min_utility: float = DEFAULT_MIN_UTILITY, scorer=None, latency=None, top_k=None,
                  gate: bool = True, max_depth: Optional[int] = None):
@@ -142,6 +144,7 @@ class TapsPolicy(GatedPolicy):
         V, D = draft_logits.shape[-1], draft_logits.shape[1]
         with timer("pool"):
             pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
+                                               vocab_ids=self.vocab_ids,
                                                top_k=min(self.top_k or 64, V), pool_size=self.pool_size)
         with timer("scoring"):
             hid = draft_hidden.float() if self.weights.full else None
