@@ -215,8 +215,8 @@ def test_train_drafter_resumes_from_its_checkpoint_without_the_parent(tmp_path, 
     import shutil
 
     shutil.rmtree(parent)
-    resumed = train_drafter(TrainConfig(steps=3, num_layers=5, **base))
-    assert resumed.config.num_hidden_layers == 2
+    resumed = train_drafter(TrainConfig(steps=3, **dict(base, block_size=4), num_layers=5))
+    assert resumed.config.num_hidden_layers == 2 and resumed.config.block_size == 5
     ck = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
     assert ck["step"] == 3
     # the parent's features were unscaled; a resumed run must not start scaling them halfway

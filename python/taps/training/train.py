@@ -294,8 +294,8 @@ class TrainConfig:
     """Options of :func:`train_drafter` (``train-drafter`` on the command line).
 
     ``init_from``: a drafter directory whose weights (and architecture, but ``block_size``) a NEW run starts
-    from (a run that finds ``<out>/ckpt.pt`` resumes from it instead, architecture included, and reads
-    neither ``init_from`` nor ``num_layers``);
+    from (a run that finds ``<out>/ckpt.pt`` resumes from it instead, architecture and block size included, and
+    reads neither ``init_from``, ``num_layers`` nor ``block_size``);
     ``init_layers``: comma list of its layer indices to keep, in order (a shallower, cheaper drafter that starts
     from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
@@ -404,7 +404,7 @@ def train_drafter(cfg: TrainConfig):
     if st is not None and st.get("config"):
         # the checkpoint carries its architecture: a resumed run needs neither init_from nor the parent it named
         cfg = DFlashConfig.from_dict(st["config"])
-        mask_id = cfg.mask_token_id
+        mask_id, block_size = cfg.mask_token_id, cfg.block_size
         drafter = DFlashDrafter(cfg)
     elif tcfg.init_from is not None:
         from taps.models.drafter import load_drafter
