@@ -57,3 +57,10 @@ def test_vocab_ids_checked(bad, match):
         tk.candidate_pool(sub, torch.tensor([3]), 4, 8, vocab_ids=bad(ids))
     with pytest.raises((ValueError, TypeError), match=match):
         tk.topk_stats(sub, 4, vocab_ids=bad(ids))
+
+
+def test_roots_may_lie_outside_the_draft_vocab_but_not_below_zero():
+    sub, _, ids = _sub_and_full(1, 2, 50, 6, False, seed=1)
+    assert int(tk.candidate_pool(sub, torch.tensor([49]), 4, 8, vocab_ids=ids).tree.tokens[0, 0]) == 49
+    with pytest.raises(ValueError, match=r"root_tokens\[0\]: token -2 is negative"):
+        tk.candidate_pool(sub, torch.tensor([-2]), 4, 8, vocab_ids=ids)

@@ -150,8 +150,8 @@ def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k:
             bad |= root_tokens >= V
         if bool(bad.any()):
             (b,) = first_index(bad)
-            span = f"[0, {V})" if vocab_ids is None else ">= 0"
-            raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is outside the vocabulary {span}")
+            where = f"outside the vocabulary [0, {V})" if vocab_ids is None else "negative (expected a token id >= 0)"
+            raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is {where}")
     stats = topk_stats(draft_logits, top_k, backend=backend, validate=validate, vocab_ids=vocab_ids)
     # The lattice comes from checked (or, under validate="none" / on a GPU, trusted) logits: no second scan.
     validate = "none"
