@@ -5,7 +5,7 @@
 One thread. The drafter holds ``--context`` context rows (random target features); each configuration
 runs ``--reps`` draft passes (after warm-up) and reports the median and minimum wall time and the median
 thread CPU time in ms. Configurations:
-P = 15, 8, 4 projected positions (``draft(num_positions=P)``) x full vocabulary / the checkpoint's draft
+P = 15, 8, 4 projected positions (``draft(num_positions=P)``; at most the drafter's ``block_size - 1``) x full vocabulary / the checkpoint's draft
 vocabulary (``draft_vocab.safetensors``) x fp32 / bf16 head; for the draft vocabulary both output layouts
 (full-size logits with -inf outside, and the sub-vocabulary logits). Writes
 ``bench/results/draft_time_cpu.json``.
@@ -64,8 +64,10 @@ def main(argv=None):
     feats = torch.randn(1, args.context, drafter.config.num_context_features, generator=g)
     drafter.append_context(state, feats)
     bonus = torch.tensor([42])
+    D = drafter.config.block_size - 1
+    positions = sorted({min(P, D) for P in (15, 8, 4)}, reverse=True)  # a shorter block drafts at most D
     rows = []
-    for P in (15, 8, 4):
+    for P in positions:
         for vname in ("full", "draft"):
             for hname, hdt in (("fp32", None), ("bf16", torch.bfloat16)):
                 layouts = ("full",) if vname == "full" else ("full", "sub")
@@ -93,9 +95,9 @@ def main(argv=None):
         st = d.new_state(1)
         d.append_context(st, feats)
         d.head_dtype = torch.bfloat16
-        for P in (15, 8, 4):
+        for P in positions:
             for layout, block in (("full", "full"), ("sub", "full"), ("sub", "short")):
-                if block == "short" and P == drafter.config.block_size - 1:
+                if block == "short" and P == D:
                     continue  # the short block of every position is the full block
                 d.full_vocab_logits = layout == "full"
                 d.short_blocks = block == "short"
