@@ -199,8 +199,7 @@ def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int 
     for rows in sorted(set(int(b) for b in (batch_sizes or []) if int(b) > 1)):
         batch[str(rows)] = measure_batch_latency(model, rows, n_max, prefix_len, repeats, layer_ids, seed)
     out_batch = {"batch_latency": batch} if batch else {}
-    t0 = t0_parts["draft"] + t0_parts["context"] if t0_parts else 0.0
-    return {"latency": table, "raw": {str(k): v for k, v in raw.items()}, "t0": t0, **out_batch,
+    return {"latency": table, "raw": {str(k): v for k, v in raw.items()}, "t0": _full_round(t0_parts), **out_batch,
             "t0_parts": t0_parts, "drafter": drafter_key(drafter) if drafter is not None else None,
             "prefix_len": prefix_len, "repeats": repeats, "n_max": n_max,
             "machine": machine_key(device), "model": model_key(model), "device": str(device),
@@ -289,6 +288,11 @@ def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeat
     return {"draft": by_positions[-1], "context": statistics.median(cts), "draft_by_positions": by_positions}
 
 
+def _full_round(parts: dict) -> float:
+    """``t0``: a draft projecting every block position plus the context update (0 without a drafter)."""
+    return parts["draft"] + parts["context"] if parts else 0.0
+
+
 def round_seconds(latency: dict, positions: Optional[int] = None) -> float:
     """The fixed seconds of a drafted round: the draft pass (projecting ``positions`` block positions; default
     all) plus the context update, from a table's ``t0_parts`` (its ``t0`` when they are absent)."""
@@ -336,8 +340,8 @@ def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool
         if len(t["latency"]) >= n_max + 1:
             if drafter is not None and (t.get("drafter") != drafter_key(drafter)
                                         or "draft_by_positions" not in t.get("t0_parts", {})):
-                parts = t["t0_parts"] = measure_draft_time(model, drafter, repeats=max(repeats, 5))
-                t["t0"], t["drafter"] = parts["draft"] + parts["context"], drafter_key(drafter)
+                t["t0_parts"] = measure_draft_time(model, drafter, repeats=max(repeats, 5))
+                t["t0"], t["drafter"] = _full_round(t["t0_parts"]), drafter_key(drafter)
                 save_table(t, p)
             return t
     t = measure_latency(model, n_max=n_max, drafter=drafter, repeats=repeats, batch_sizes=batch_sizes)

@@ -158,7 +158,7 @@ def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.T
         if want != got:
             diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
             raise InitShapeError(f"init: scorer shapes differ from the traces' (tiny={tiny}, hidden {H}, depth {D}); "
-                             f"first mismatches {[(k, got.get(k), want.get(k)) for k in diff[:3]]} (init, expected)")
+                                 f"first mismatches {[(k, got.get(k), want.get(k)) for k in diff[:3]]} (init, expected)")
         model.load_state_dict(init.state_dict())
     emb_used = None if tiny else emb
     tgt_tr = edge_targets(train, target)
