@@ -319,18 +319,29 @@ def _reindex_subtree_fake(tokens, parents, depth, num_nodes, pool_index, num_sel
 
 # --- wrappers with the public ops' arguments (metadata checks only: no host synchronisation) -----------------------
 
-def candidate_pool(draft_logits: Tensor, root_tokens: Tensor, top_k: int, pool_size: int) -> CandidatePool:
+def candidate_pool(draft_logits: Tensor, root_tokens: Tensor, top_k: int, pool_size: int,
+                   vocab_ids: Optional[Tensor] = None) -> CandidatePool:
     """Graph-safe :func:`taps_kernels.candidate_pool`: ``draft_logits [B,D,V]`` float, ``root_tokens [B] int64`` ->
     :class:`CandidatePool` (tree of ``N = pool_size + 1`` rows in pop order, ``logq/step_logq [B,N] f32``,
     ``rank [B,N] int32``, ``topk_logp/topk_ids [B,D,K]``, ``entropy/margin/topk_mass [B,D] f32``).
 
-    Trusts the logits (finite or -inf) and ``0 <= root_tokens < V``. ``draft_logits`` must not require grad."""
+    ``vocab_ids``: optional ``[V] int64`` token id of each logit column (a reduced draft vocabulary), as in the
+    public op; ``topk_ids`` and the tree's tokens are then full-vocabulary ids.
+
+    Trusts the logits (finite or -inf), ``root_tokens >= 0`` (``< V`` without ``vocab_ids``) and ``vocab_ids``
+    strictly increasing and non-negative (the public op checks these values). ``draft_logits`` must not require
+    grad."""
     check_tensor("draft_logits", draft_logits, dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor("root_tokens", root_tokens, dtypes=(torch.int64,), shape=(draft_logits.shape[0],),
                  device=draft_logits.device)
+    if vocab_ids is not None:
+        check_tensor("vocab_ids", vocab_ids, dtypes=(torch.int64,), shape=(draft_logits.shape[2],),
+                     device=draft_logits.device)
     check_no_grad("candidate_pool", [("draft_logits", draft_logits)])
     top_k, pool_size = check_int("top_k", top_k), check_int("pool_size", pool_size)
     logp, ids, entropy, margin, mass = torch.ops.taps.topk_stats(draft_logits.contiguous(), top_k)
+    if vocab_ids is not None:  # sorted ids: column order is token order, so ties already fell to the smaller id
+        ids = vocab_ids[ids]
     tokens, parents, depth, num_nodes, logq, step_logq, rank = torch.ops.taps.best_first_pool(
         logp, ids, root_tokens.contiguous(), pool_size)
     return CandidatePool(Tree(tokens, parents, depth, num_nodes), logq, step_logq, rank, logp, ids, entropy, margin,

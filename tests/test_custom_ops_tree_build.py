@@ -64,6 +64,20 @@ def test_ops_equal_public_ops(seed, top_k, vocab):
             _assert_selection_equal(got, taps_kernels.select_subtree(want_pool.tree, log_reach, max_nodes, **kw))
 
 
+def test_pool_over_draft_vocab_equals_public_op():
+    """``vocab_ids`` (a sorted reduced vocabulary; ties in the logits, roots outside it): the public op's pool."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randperm(3 * V, generator=g)[:V].sort().values
+    logits = torch.randint(-2, 2, (B, D, V), generator=g).float()  # integer logits: ties ranked by token id
+    root = torch.tensor([3 * V - 1, 0, 5])
+    got = cb.candidate_pool(logits, root, TOP_K, POOL, vocab_ids=ids)
+    _assert_pool_equal(got, taps_kernels.candidate_pool(logits, root, TOP_K, POOL, vocab_ids=ids))
+    assert bool(torch.isin(got.topk_ids, ids).all())
+    torch._dynamo.reset()
+    compiled = torch.compile(cb.candidate_pool, fullgraph=True, backend="aot_eager")
+    _assert_pool_equal(compiled(logits, root, TOP_K, POOL, vocab_ids=ids), got)
+
+
 def test_opcheck_all_ops():
     """Schema, fake (meta) against real outputs, autograd registration and AOT dispatch of each op."""
     logits, root, full, tiny, emb, hidden, latency = _case(2)
@@ -182,6 +196,10 @@ def test_wrapper_errors_name_the_argument():
     with pytest.raises(ValueError, match="draft_logits"):
         cb.candidate_pool(logits.requires_grad_(), root, TOP_K, 5)
     logits.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"vocab_ids: expected shape"):
+        cb.candidate_pool(logits, root, TOP_K, 5, vocab_ids=torch.arange(V - 1))
+    with pytest.raises(TypeError, match="vocab_ids: expected dtype"):
+        cb.candidate_pool(logits, root, TOP_K, 5, vocab_ids=torch.arange(V, dtype=torch.int32))
     pool = cb.candidate_pool(logits, root, TOP_K, 5)
     with pytest.raises(ValueError, match="token_embeddings"):
         cb.score_edges(pool, full, emb[:, :3], hidden)
