@@ -87,3 +87,19 @@ def test_merged_report_takes_mtbench_turns_from_the_mtbench_file(tmp_path):
     merged = merge_bench([he, mt])
     assert merged["config"]["mtbench_turns"] == 1 and merged["config"]["command"] == "a\nb"
     assert [r["dataset"] for r in merged["runs"]] == ["humaneval", "mtbench"]
+
+
+def test_merged_report_names_the_run_of_a_set_run_twice(tmp_path):
+    """A baseline-only run of the same set (e.g. the prompt-lookup row) gets its own, labelled section."""
+    main, extra = tmp_path / "main.json", tmp_path / "extra.json"
+    main.write_text(json.dumps({"config": {"command": "a"}, "runs": [run()]}))
+    baseline = {"ar": pol(1, 1, 10), "hf-pld:10": pol(1, 1, 12)}
+    extra.write_text(json.dumps({"config": {"command": "b"},
+                                 "runs": [dict(run(), policies=baseline, best_ddtree=None)]}))
+    assert [r["source"] for r in merge_bench([main, extra])["runs"]] == [0, 1]
+    write_report([str(main), str(extra)], tmp_path / "r.md", plot_prefix=None)
+    text = (tmp_path / "r.md").read_text()
+    assert text.count("humaneval: SUBSET, 2 of 164 prompts") == 1
+    assert "## humaneval, temperature 0, 2 prompts (command 1 above)" in text
+    assert "## humaneval, temperature 0, 2 prompts (command 2 above)" in text
+    assert "| hf-pld:10 |" in text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections import Counter
 from pathlib import Path
 from typing import List, Optional
 
@@ -212,13 +213,16 @@ def coverage(runs: List[dict]) -> str:
         if run["temperature"] == 0.0:
             full = FULL_SIZES.get(run["dataset"])
             kind = "FULL SET" if full is not None and run["prompts"] >= full else "SUBSET"
-            parts.append(f"{run['dataset']}: {kind}, {run['prompts']} of {full or '?'} prompts")
+            part = f"{run['dataset']}: {kind}, {run['prompts']} of {full or '?'} prompts"
+            if part not in parts:  # merged files may run one set twice (e.g. a baseline-only run)
+                parts.append(part)
     return "; ".join(parts)
 
 
 def merge_bench(paths) -> dict:
     """One bench dict from several ``taps bench`` JSONs (e.g. one per dataset, run side by side): runs are
-    concatenated, the config is the first file's with every command kept."""
+    concatenated, each tagged with ``"source"`` (its file's index, the line of its command), the config is the
+    first file's with every command kept."""
     datas = [json.loads(Path(p).read_text()) for p in paths]
     for d in datas:
         if "runs" not in d and "policies" in d:  # a summary from before bench and bench-suite merged: one run
@@ -234,7 +238,7 @@ def merge_bench(paths) -> dict:
         turns = [d["config"].get("mtbench_turns") for d in datas if "mtbench" in (d["config"].get("datasets") or ())]
         if turns:
             cfg["mtbench_turns"] = turns[0]
-    runs = [r for d in datas for r in d["runs"]]
+    runs = [dict(r, source=i) for i, d in enumerate(datas) for r in d["runs"]]
     return {"config": cfg, "runs": runs}
 
 
@@ -259,8 +263,11 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
          f"{cfg.get('mtbench_turns')}; wall {cfg.get('wall_s')} s. Speedup = AR time per token / policy time per "
          "token, same harness, prompts interleaved across policies. tau counts the bonus token.", ""]
     checks_all = []
+    seen = Counter((r["dataset"], r["temperature"]) for r in data["runs"])
     for run in data["runs"]:
         part = " (PARTIAL: run cut short, prompts completed so far)" if run.get("partial") else ""
+        if seen[(run["dataset"], run["temperature"])] > 1:  # the same set in several runs: say which one
+            part += f" (command {run['source'] + 1} above)"
         L += [f"## {run['dataset']}, temperature {run['temperature']:g}, {run['prompts']} prompts{part}", ""]
         L += policy_table(run, proj)
         L.append("")
