@@ -11,7 +11,8 @@ from taps.decode.latency import round_seconds
 from taps.scoring.evaluate import evaluate_scorer, reliability
 from taps.scoring.latency import drafter_key, get_table, isotonic, measure_latency
 from taps.scoring.traces import accepted_mask, load_traces, split_by_prompt, stack_records, trace_prompt
-from taps.scoring.train import edge_targets, train_scorer
+from taps.scoring.model import TapsScorer
+from taps.scoring.train import DEPTH_TABLE, edge_targets, train_scorer
 
 V, HID, D = 61, 32, 4
 
@@ -136,7 +137,8 @@ def test_trained_scorer_beats_the_marginal_product_on_a_known_target(traces, mod
 
 
 def test_train_from_an_initial_scorer(traces, models):
-    """``init`` starts from given weights (lr 0 keeps them exactly); a scorer of another shape is refused."""
+    """``init`` starts from given weights (lr 0 keeps them exactly); a scorer of another shape is refused, but
+    for a deeper depth table (a drafter with a longer block), whose first rows are taken."""
     _, tr = traces
     train, val = split_by_prompt(tr, 0.34)
     emb = models[0].get_input_embeddings().weight.detach()
@@ -152,6 +154,19 @@ def test_train_from_an_initial_scorer(traces, models):
     tiny, _ = train_scorer(train, val, emb, tiny=True, epochs=1, batch=8, seed=0, top_k=6, progress=False)
     with pytest.raises(ValueError, match="init: scorer shapes differ"):
         train_scorer(train, val, emb, epochs=1, batch=8, seed=0, top_k=6, progress=False, init=tiny)
+    # a scorer of a deeper drafter block: the first D + 1 depth rows carry over, the rest as before
+    D = train["entropy"].shape[1]
+    deeper = TapsScorer(**dict(first.config(), max_depth=D + 5))
+    with torch.no_grad():
+        deeper.depth_embedding.weight.normal_()
+    deeper.load_state_dict({**deeper.state_dict(), **{k: v for k, v in first.state_dict().items()
+                                                      if k != DEPTH_TABLE}})
+    cut, _ = train_scorer(train, val, emb, epochs=1, batch=8, lr=0.0, weight_decay=0.0, seed=1, top_k=6,
+                          progress=False, init=deeper)
+    assert torch.equal(cut.state_dict()[DEPTH_TABLE], deeper.state_dict()[DEPTH_TABLE][:D + 1])
+    shallow = TapsScorer(**dict(first.config(), max_depth=D - 1))
+    with pytest.raises(ValueError, match="init: scorer shapes differ"):
+        train_scorer(train, val, emb, epochs=1, batch=8, seed=0, top_k=6, progress=False, init=shallow)
 
 
 def test_reliability_hand_made():

@@ -130,6 +130,10 @@ class InitShapeError(ValueError):
     """``train_scorer(init=...)`` got a scorer whose shapes differ from the ones the traces ask for."""
 
 
+#: the depth embedding's state-dict key: an ``init`` scorer trained for a deeper block may have more rows
+DEPTH_TABLE = "depth_embedding.weight"
+
+
 def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.Tensor]], emb: Optional[torch.Tensor],
                  tiny: bool = False, epochs: int = 30, batch: int = 32, lr: float = 3e-3, weight_decay: float = 0.01,
                  target: str = "greedy", seed: int = 0, top_k: int = 64, progress: bool = True,
@@ -140,7 +144,8 @@ def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.T
         train, val: trace dicts (``val`` may be None: then the last epoch is kept).
         emb: ``[V, E]`` target input embeddings (full variant; ignored when ``tiny``).
         init: a trained scorer of the same shape to start from (e.g. the one of the previous drafter: a
-            new drafter shifts the inputs, so little new data goes a long way from there).
+            new drafter shifts the inputs, so little new data goes a long way from there); a depth embedding
+            with more rows (a drafter with a longer block) gives its first ``D + 1`` rows.
     Returns:
         ``(model, history)``: the best-validation model (eval mode) and per-epoch losses, seconds, best epoch.
     """
@@ -153,13 +158,20 @@ def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.T
     model = TapsScorer(embed_dim=0 if tiny else emb.shape[1], hidden_dim=0 if tiny else H, max_depth=D, tiny=tiny,
                        top_k=top_k)
     if init is not None:
+        state = dict(init.state_dict())
+        rows = DEPTH_TABLE
+        if rows in state and rows in model.state_dict():
+            # a drafter with a shorter block: depths 0..D mean the same, so the first D + 1 rows carry over
+            have, need = state[rows].shape, model.state_dict()[rows].shape
+            if have[0] > need[0] and have[1:] == need[1:]:
+                state[rows] = state[rows][:need[0]]
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        got = {k: tuple(v.shape) for k, v in init.state_dict().items()}
+        got = {k: tuple(v.shape) for k, v in state.items()}
         if want != got:
             diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
             raise InitShapeError(f"init: scorer shapes differ from the traces' (tiny={tiny}, hidden {H}, depth {D}); "
                                  f"first mismatches {[(k, got.get(k), want.get(k)) for k in diff[:3]]} (init, expected)")
-        model.load_state_dict(init.state_dict())
+        model.load_state_dict(state)
     emb_used = None if tiny else emb
     tgt_tr = edge_targets(train, target)
     tgt_va = edge_targets(val, target) if val is not None else None
