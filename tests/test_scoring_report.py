@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from taps.scoring.report import check_targets, coverage, merge_bench, projected_tps, write_report
+from taps.scoring.report import _drafted, check_targets, coverage, merge_bench, projected_tps, write_report
 
 
 def pol(tau, nodes, tps, same=2, prompts=2):
@@ -97,7 +97,9 @@ def test_merged_report_names_the_run_of_a_set_run_twice(tmp_path):
     extra.write_text(json.dumps({"config": {"command": "b"},
                                  "runs": [dict(run(), policies=baseline, best_ddtree=None)]}))
     assert [r["source"] for r in merge_bench([main, extra])["runs"]] == [0, 1]
-    write_report([str(main), str(extra)], tmp_path / "r.md", plot_prefix=None)
+    plots = write_report([str(main), str(extra)], tmp_path / "r.md", plot_prefix=str(tmp_path / "p"))[1:]
+    assert len(plots) == 3 and all(p.exists() for p in plots)
+    assert [_drafted(r) for r in merge_bench([main, extra])["runs"]] == [True, False]  # plotted: the first only
     text = (tmp_path / "r.md").read_text()
     assert text.count("humaneval: SUBSET, 2 of 164 prompts") == 1
     assert "## humaneval, temperature 0, 2 prompts (command 1 above)" in text

@@ -123,11 +123,21 @@ def check_targets(run: dict) -> List[dict]:
                     "target": TARGETS["ar_vs_hf"], "met": r >= TARGETS["ar_vs_hf"]})
     same = all(s.get("identical_to_ar") == s.get("prompts") for s in pol.values())
     # the HF rows (plain greedy generate, prompt-lookup decoding "hf-pld:N") are checked against AR like any policy
-    with_hf = any(k == "hf" or k.startswith("hf-pld:") for k in pol)
+    with_hf = any(_is_hf_row(k) for k in pol)
     out.append({"name": "lossless: every output identical to AR (temperature 0)" + (", HF generate included" if with_hf else ""),
                 "value": None, "target": None,
                 "met": same})
     return out
+
+
+def _is_hf_row(policy: str) -> bool:
+    """The HF baseline rows: plain greedy ``generate`` (``"hf"``) and prompt-lookup decoding (``"hf-pld:N"``)."""
+    return policy == "hf" or policy.startswith("hf-pld:")
+
+
+def _drafted(run: dict) -> bool:
+    """Whether a run holds a drafted policy (not only AR and HF baselines): only those are plotted."""
+    return any(p != "ar" and not _is_hf_row(p) for p in run["policies"])
 
 
 def _plots(runs: List[dict], prefix: str) -> List[Path]:
@@ -314,7 +324,7 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
     paths = []
     if plot_prefix:
         Path(plot_prefix).parent.mkdir(parents=True, exist_ok=True)
-        paths = _plots(data["runs"], plot_prefix)
+        paths = _plots([r for r in data["runs"] if _drafted(r)], plot_prefix)
         L += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in paths] + [""]
     if notes:
         L += [Path(notes).read_text()]
