@@ -96,10 +96,11 @@ def test_merged_report_names_the_run_of_a_set_run_twice(tmp_path):
     baseline = {"ar": pol(1, 1, 10), "hf-pld:10": pol(1, 1, 12)}
     extra.write_text(json.dumps({"config": {"command": "b"},
                                  "runs": [dict(run(), policies=baseline, best_ddtree=None)]}))
-    assert [r["source"] for r in merge_bench([main, extra])["runs"]] == [0, 1]
+    runs = merge_bench([main, extra])["runs"]
+    assert [r["source"] for r in runs] == [0, 1]
+    assert [_drafted(r) for r in runs] == [True, False]  # only the first is plotted
     plots = write_report([str(main), str(extra)], tmp_path / "r.md", plot_prefix=str(tmp_path / "p"))[1:]
     assert len(plots) == 3 and all(p.exists() for p in plots)
-    assert [_drafted(r) for r in merge_bench([main, extra])["runs"]] == [True, False]  # plotted: the first only
     text = (tmp_path / "r.md").read_text()
     assert text.count("humaneval: SUBSET, 2 of 164 prompts") == 1
     assert "## humaneval, temperature 0, 2 prompts (command 1 above)" in text

@@ -159,12 +159,11 @@ def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.T
                        top_k=top_k)
     if init is not None:
         state = dict(init.state_dict())
-        rows = DEPTH_TABLE
-        if rows in state and rows in model.state_dict():
+        if DEPTH_TABLE in state and DEPTH_TABLE in model.state_dict():
             # a drafter with a shorter block: depths 0..D mean the same, so the first D + 1 rows carry over
-            have, need = state[rows].shape, model.state_dict()[rows].shape
+            have, need = state[DEPTH_TABLE].shape, model.state_dict()[DEPTH_TABLE].shape
             if have[0] > need[0] and have[1:] == need[1:]:
-                state[rows] = state[rows][:need[0]]
+                state[DEPTH_TABLE] = state[DEPTH_TABLE][:need[0]]
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         got = {k: tuple(v.shape) for k, v in state.items()}
         if want != got:
