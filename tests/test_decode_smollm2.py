@@ -60,9 +60,9 @@ def test_every_policy_equals_hf_generate(smollm2, prompt, monkeypatch):
         use_rows_linear(model)
     assert n_swapped > 0
     monkeypatch.setenv("TAPS_LATENCY", str(LATENCY))
-    specs = ["ar", "dflash", "ddtree:4", "ddtree:16", "ddtree-cost"]
+    specs = ["ar", "dflash", "ddtree:4", "ddtree:16", "ddtree-cost", "lookup"]
     if (SCORER / "config.json").is_file():
-        specs += ["taps", "taps-nogate", "taps-paper", "taps-fixed:8"]
+        specs += ["taps", "taps-nogate", "taps-paper", "taps-fixed:8", "taps-lookup"]
     for spec in specs:
         res = SpeculativeDecoder(model, make_policy(spec), drafter=drafter, stop_token_ids=stops).generate(ids, 24)
         assert res.token_ids == ref, (spec, tok.decode(res.token_ids), tok.decode(ref))

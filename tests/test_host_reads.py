@@ -32,6 +32,7 @@ import taps_kernels.ops.select
 from helpers import random_scorer, tiny_drafter, tiny_target
 from taps_kernels import backend, custom_ops
 from taps.decode import BatchDecoder, make_policy
+from taps.decode.policies.lookup import TapsLookupPolicy
 from taps.decode.policies.taps import TapsPolicy
 
 V, HID = 61, 32
@@ -107,19 +108,24 @@ def counter(monkeypatch):
 
 
 def make(spec):
+    latency = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02,
+               "t0_parts": {"draft": 0.02, "context": 0.001}}
     if spec == "taps":
-        latency = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02,
-                   "t0_parts": {"draft": 0.02, "context": 0.001}}
         return TapsPolicy(8, rule="reach", pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8,
                           latency=latency)
+    if spec == "taps-lookup":  # the n-gram match and graft run inside the round too
+        return TapsLookupPolicy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency)
     return make_policy(spec)
 
 
-@pytest.mark.parametrize("spec,inject", [("dflash", False), ("ddtree:8", False), ("taps", False), ("ddtree:8", True)],
-                         ids=["dflash", "ddtree:8", "taps", "ddtree:8-injected-read"])
+@pytest.mark.parametrize("spec,inject", [("dflash", False), ("ddtree:8", False), ("taps", False), ("taps-lookup", False),
+                                         ("lookup", False), ("ddtree:8", True)],
+                         ids=["dflash", "ddtree:8", "taps", "taps-lookup", "lookup", "ddtree:8-injected-read"])
 def test_one_host_read_per_round(counter, spec, inject):
     target, drafter = tiny_target(0, vocab=V, layers=4), tiny_drafter(0, vocab=V, target_layers=4)
-    dec = BatchDecoder(target, make(spec), drafter=drafter, max_batch=3, attention="taps_tree")
+    policy = make(spec)
+    dec = BatchDecoder(target, policy, drafter=drafter if policy.uses_drafter else None, max_batch=3,
+                       attention="taps_tree")
     assert dec.verifier.attention == "taps_tree"
     prompts = [[5, 9, 2, 44, 17, 3], [8, 1], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     for p in prompts:
@@ -140,7 +146,7 @@ def test_one_host_read_per_round(counter, spec, inject):
     assert rounds == 3
     # the kernel path really ran: tree attention (and the draft statistics) on the Triton kernels
     assert ("tree_attention", "triton") in counter.resolved and ("topk_stats", "triton") in counter.resolved or \
-        spec == "dflash" and ("tree_attention", "triton") in counter.resolved, counter.resolved
+        spec in ("dflash", "lookup") and ("tree_attention", "triton") in counter.resolved, counter.resolved
     if inject:
         assert counter.count == 2 * rounds, counter.where  # the hook's read is caught every round
     else:

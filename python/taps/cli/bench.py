@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from ..decode.stats import SPLIT_HEADER, SPLIT_STAGES
 from .bench_batch import (Progress, add_speedups, batch_row, format_batch_table, latency_note, make_batch_decoder,
                           mark_identical, parse_batch_sizes, rotated, row_from_single, run_batch)
 from .common import (CLIError, add_model_flags, add_sampling_flags, check_prompt_lookup, drafter_dir_cli,
@@ -213,16 +214,15 @@ def summarize(results: Dict[str, List[dict]]) -> Dict[str, dict]:
 
 
 def format_table(summary: Dict[str, dict]) -> str:
-    stages = ("prefill", "draft", "pool", "scoring", "selection", "verify", "accept", "compaction", "context")
     head = (f"{'policy':<14}{'tau':>6}{'tok/s med':>11}{'tok/s mean':>11}{'speedup':>9}{'nodes/rd':>9}"
-            f"{'same as AR':>12}  time split % (prefill/draft/pool/score/select/verify/accept/compact/context)")
+            f"{'same as AR':>12}  {SPLIT_HEADER}")
     lines = [head, "-" * len(head)]
     for spec, s in summary.items():
         tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
         nodes = f"{s['nodes_per_round']:.1f}" if s["nodes_per_round"] is not None else "-"
         sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
         frac = s["time_split_frac"]
-        split = "/".join(f"{100 * frac.get(k, 0.0):.0f}" for k in stages) if s["rounds"] else "-"
+        split = "/".join(f"{100 * frac.get(k, 0.0):.0f}" for k in SPLIT_STAGES) if s["rounds"] else "-"
         lines.append(f"{spec:<14}{tau:>6}{s['tokens_per_s_median']:>11.2f}{s['tokens_per_s_mean']:>11.2f}{sp:>9}"
                      f"{nodes:>9}{s['identical_to_ar']:>7}/{s['prompts']:<4}  {split}")
     return "\n".join(lines)
@@ -242,7 +242,7 @@ def _summarize(results):
         s["accept_len_hist"] = _hist([a for r in recs for a in r.get("accept_lens", [])])
         rounds = max(s["rounds"], 1)
         sp = s["time_split_s"]
-        s["selection_overhead_ms_per_round"] = 1000 * sum(sp.get(k, 0.0) for k in ("pool", "scoring", "selection")) / rounds
+        s["selection_overhead_ms_per_round"] = 1000 * sum(sp.get(k, 0.0) for k in ("pool", "scoring", "selection", "lookup")) / rounds
         s["stage_ms_per_round"] = {k: 1000 * v / rounds for k, v in sp.items() if k != "prefill"}
         s["per_prompt"] = [{"id": r["id"], "new_tokens": r["new_tokens"], "seconds": r["seconds"], "tau": r.get("tau"),
                             "identical_to_ar": r["identical_to_ar"]} for r in recs]

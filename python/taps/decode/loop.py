@@ -42,6 +42,7 @@ import torch
 from taps_kernels import Tree
 
 from . import kernels
+from .lookup import TokenHistory
 from .policies.base import BuiltTree, TreePolicy
 from .sampling import SamplingConfig, choose_tokens, processed_probs
 from .stats import GenerationStats, RoundStats
@@ -172,6 +173,9 @@ class BatchDecoder:
             self._draft_positions = self.drafter.config.block_size - 1
         else:
             self._draft_positions = 0
+        self._max_depth = policy.max_tree_depth(self._draft_positions)
+        # committed tokens on the device for policies that look back at them (prompt lookup)
+        self._history = TokenHistory(max_batch, self.device) if policy.wants_history else None
         draft_vocab = getattr(self.drafter, "draft_vocab", None)
         # reduced-vocabulary logits for policies that map the columns back: the pool scans a third of the columns
         self._sub_vocab_logits = draft_vocab is not None and policy.handles_draft_vocab
@@ -278,6 +282,8 @@ class BatchDecoder:
         t0 = time.perf_counter()
         # room for the prompt, the output and one tree past it (the verify writes the whole padded tree)
         self.verifier.reserve(len(prompt) + max_new + self._tree_width() + 1)
+        if self._history is not None:
+            self._history.reserve(len(prompt) + max_new + self._max_depth + 2)
         logits, feats = self.verifier.prefill_row(b, prompt)
         if self.drafter is not None:
             self.drafter.reset_row(self._state, b)
@@ -287,6 +293,8 @@ class BatchDecoder:
             torch.cuda.synchronize(self.device)
         row.stats.prefill_s = time.perf_counter() - t0
         row.extend([first])
+        if self._history is not None:
+            self._history.set_row(b, prompt + [first])
         self._rows[b] = row
         self._bonus[b] = first
         self._remaining[b] = row.remaining
@@ -299,6 +307,8 @@ class BatchDecoder:
         drafted = self.drafter is not None and row.remaining > 1 and self.policy.wants_draft()
         built = self._build(bonus, drafted, (self._remaining[b:b + 1] - 1).clamp(min=0), 1, timer, slice(b, b + 1))
         n = int(built.tree.num_nodes[0])  # admission reads freely: it is not a round
+        if built.aux is not None:
+            self.policy.observe_rows({b: None}, {b: built.aux[0].tolist()})
         self._set_pending_row(b, built.tree)
         row.next_nodes, row.next_drafted, row.next_times = n, drafted, timer.seconds()
         self._pending_nodes[b] = n
@@ -310,7 +320,7 @@ class BatchDecoder:
         for attr in ("pool_size", "budget", "max_nodes"):
             if hasattr(self.policy, attr):
                 return int(getattr(self.policy, attr)) + 1
-        return self._draft_positions + 1
+        return self._max_depth + 1
 
     def _set_pending_row(self, b: int, tree: Tree) -> None:
         width = max(self._pending.tokens.shape[1], tree.tokens.shape[1])
@@ -340,16 +350,21 @@ class BatchDecoder:
 
     def _build(self, bonus: torch.Tensor, drafted: bool, depth_cap: torch.Tensor, rows: int,
                timer: StageTimer, state_rows: Optional[slice] = None) -> BuiltTree:
-        """Trees for ``bonus [R]`` (the drafter reads state rows ``state_rows``, default ``0 .. R-1``)."""
+        """Trees for ``bonus [R]`` (the drafter and the history read rows ``state_rows``, default ``0 .. R-1``)."""
+        extra = {}
+        if self._history is not None:
+            extra["history"] = self._history.rows(state_rows or slice(0, bonus.numel()))
         if self.drafter is None:
-            return self.policy.build(None, None, bonus, depth_cap, timer, rows)
+            return self.policy.build(None, None, bonus, depth_cap, timer, rows, **extra)
         if not drafted:
+            if extra:
+                return self.policy.build(None, None, bonus, depth_cap, timer, rows, **extra)
             return BuiltTree(root_only_tree(bonus))
         with timer("draft"):
             logits, hidden = self.drafter.draft(self._state, bonus, self._embed, self._head, rows=state_rows,
                                                 num_positions=self.policy.draft_positions(self._draft_positions),
                                                 full_vocab_logits=not self._sub_vocab_logits)
-        return self.policy.build(logits, hidden, bonus, depth_cap, timer, rows)
+        return self.policy.build(logits, hidden, bonus, depth_cap, timer, rows, **extra)
 
     def _choose(self, logits: torch.Tensor, rows: List[Optional[_Row]]) -> torch.Tensor:
         """Target tokens ``[B, N]``: argmax, or per running row one sample per node from its own generator."""
@@ -375,17 +390,20 @@ class BatchDecoder:
         # between rounds, host side: room for this round's tree in every running row (never inside a round)
         self.verifier.reserve(max(self.verifier.host_lengths[:B]) + width + 1)
         snap = (self.verifier.lengths.clone(), self._remaining.clone(), self._bonus.clone(), self._pending,
-                None if self._state is None else self._state.snapshot())
+                None if self._state is None else self._state.snapshot(),
+                None if self._history is None else self._history.lengths.clone())
         try:
             return self._round(B, rows, width)
         except BaseException:
-            lengths, remaining, bonus, pending, state = snap
+            lengths, remaining, bonus, pending, state, history = snap
             self.verifier.lengths.copy_(lengths)
             self._remaining.copy_(remaining)
             self._bonus.copy_(bonus)
             self._pending = pending
             if state is not None:
                 self._state.restore(state)
+            if history is not None:
+                self._history.lengths.copy_(history)
             raise
 
     @torch.inference_mode()
@@ -404,7 +422,7 @@ class BatchDecoder:
             target_tokens = self._choose(logits, rows)
         if self.round_hook is not None:
             self.round_hook(self)
-        P = min(width - 1, self._draft_positions) + 1 if self.drafter is not None else 1
+        P = min(width - 1, self._max_depth) + 1
         with timer("accept"):
             if width == 1:
                 path = torch.zeros(B, 1, dtype=torch.int64, device=dev)
@@ -422,6 +440,8 @@ class BatchDecoder:
             committed = torch.where(j < (accept_len - 1)[:, None], shifted,
                                     torch.where(j == (accept_len - 1)[:, None], next_token[:, None],
                                                 torch.full_like(shifted, -1)))
+            if self._history is not None:
+                self._history.append(committed, accept_len)
         with timer("compaction"):
             self.verifier.commit_batch(path, accept_len, moves=not chain)
         if self.drafter is not None:
@@ -441,6 +461,8 @@ class BatchDecoder:
                  (nxt.tokens[:, 0] == bonus).to(torch.int64)[:, None]]
         if built.expected is not None:
             stats += [_pack_float(built.expected)[:, None], built.sizes.to(torch.int64)[:, None]]
+        if built.aux is not None:
+            stats.append(built.aux.to(torch.int64))
         packed = torch.cat([committed] + stats, 1)
         round_end = clock.stop()
         host = packed.tolist()  # THE host read of the round
@@ -450,7 +472,7 @@ class BatchDecoder:
                 raise ValueError(f"policy {self.policy.name}: tree root of row {b} is not its bonus token")
         times = timer.seconds()
         round_s = RoundClock.seconds(round_end)
-        build_times = {k: v for k, v in times.items() if k in ("draft", "pool", "scoring", "selection")}
+        build_times = {k: v for k, v in times.items() if k in ("draft", "pool", "scoring", "selection", "lookup")}
         verify_times = {k: v for k, v in times.items() if k not in build_times}
         out: Dict[int, RoundStats] = {}
         new_lengths = list(self.verifier.host_lengths)
@@ -472,6 +494,10 @@ class BatchDecoder:
             self._state.set_host_lengths(new_lengths)
         self._bonus[:B] = bonus
         self._pending = pad_tree(nxt, nxt.tokens.shape[1]) if B == self.max_batch else self._merge_pending(nxt, B)
+        if built.aux is not None:
+            aux_at = P + 3 + (2 if built.expected is not None else 0)
+            live = [b for b in range(B) if rows[b] is not None]
+            self.policy.observe_rows({b: host[b][:host[b][P] - 1] for b in live}, {b: host[b][aux_at:] for b in live})
         if drafted:
             exp = [_unpack_float(host[b][P + 3]) for b in range(B) if rows[b] is not None] if built.expected is not None else None
             siz = [host[b][P + 4] for b in range(B) if rows[b] is not None] if built.sizes is not None else None

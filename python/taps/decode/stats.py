@@ -5,8 +5,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 #: Stages timed in every round, in the order a round runs them. "context" is the drafter's
-#: update with the accepted tokens' target features (zero for policies without a drafter).
-STAGES = ("draft", "pool", "scoring", "selection", "verify", "accept", "compaction", "context")
+#: update with the accepted tokens' target features (zero for policies without a drafter); "lookup" the
+#: prompt-lookup match and graft (lookup policies only).
+STAGES = ("draft", "pool", "scoring", "selection", "lookup", "verify", "accept", "compaction", "context")
+#: The time-split columns of benchmark tables (prefill, then every round stage) and their header.
+SPLIT_STAGES = ("prefill",) + STAGES
+SPLIT_HEADER = "time split % (prefill/draft/pool/score/select/lookup/verify/accept/compact/context)"
 
 
 @dataclass

@@ -16,9 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import List, Optional
 
+from taps.decode.stats import SPLIT_HEADER, SPLIT_STAGES
 from taps.paths import portable_command, portable_path
 
-STAGES = ("prefill", "draft", "pool", "scoring", "selection", "verify", "accept", "compaction", "context")
 TARGETS = {"tau_vs_ddtree_same_budget": 1.07, "tps_vs_dflash": 1.3, "tps_vs_best_ddtree": 1.15, "ar_vs_hf": 1.0}
 #: TAPS over plain decoding, per dataset (code accepts longer drafts than chat)
 TAPS_VS_AR = {"humaneval": 1.4, "mtbench": 1.15}
@@ -62,13 +62,13 @@ def policy_table(run: dict, projection: Optional[dict] = None) -> List[str]:
     head = ("| policy | tau | nodes/round | rounds drafted % | tok/s (median) | speedup vs AR | "
             "selection overhead ms/round | "
             "draft ms/round (load probe) | "
-            "time split % (prefill/draft/pool/score/select/verify/accept/compact/context) | identical to AR |")
+            f"{SPLIT_HEADER} | identical to AR |")
     if projection:
         head += " PROJECTED tok/s (GPU latency table) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for spec, s in pol.items():
         frac = s.get("time_split_frac", {})
-        split = "/".join(f"{100 * frac.get(k, 0.0):.0f}" for k in STAGES) if s.get("rounds") else "-"
+        split = "/".join(f"{100 * frac.get(k, 0.0):.0f}" for k in SPLIT_STAGES) if s.get("rounds") else "-"
         name = f"{spec} (oracle best DDTree)" if spec == best else spec
         # At temperature > 0 a different random stream gives different (equally valid) text.
         same = f"{s.get('identical_to_ar')}/{s.get('prompts')}" if run["temperature"] == 0 else "n/a (sampled)"

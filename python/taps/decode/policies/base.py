@@ -57,11 +57,14 @@ class BuiltTree:
             or None when the policy has no estimate (the loop reads it back with the round's results; the
             draft gate uses it in :meth:`TreePolicy.observe`).
         sizes: ``[B] int64`` non-root nodes the size rule chose per row (before the depth cap), or None.
+        aux: ``[B, A] int64`` columns the policy wants back on the host (packed into the round's one read and
+            handed to :meth:`TreePolicy.observe_rows`), or None.
     """
 
     tree: Tree
     expected: Optional[torch.Tensor] = None
     sizes: Optional[torch.Tensor] = None
+    aux: Optional[torch.Tensor] = None
 
 
 class TreePolicy:
@@ -89,6 +92,10 @@ class TreePolicy:
     #: ``[V_draft] int64`` sorted token ids of the logit columns :meth:`build` receives (set by the loop before
     #: :meth:`bind` when the drafter has a draft vocabulary and :attr:`handles_draft_vocab`), else None
     vocab_ids: Optional[torch.Tensor] = None
+    #: :meth:`build` takes ``history=(tokens [B, C] int64, lengths [B] int64)``, each row's committed tokens
+    #: (prompt, generated, and the root last; :class:`taps.decode.lookup.TokenHistory`), and is called in
+    #: undrafted rounds too, with ``draft_logits`` and ``draft_hidden`` None
+    wants_history: bool = False
 
     def bind(self, target_model, drafter, device: torch.device) -> None:
         """Hook called once before decoding; policies with learned parts load or move them here."""
@@ -101,6 +108,11 @@ class TreePolicy:
         projects only those onto the vocabulary (the rest would cost head time and never be used)."""
         return num_positions
 
+    def max_tree_depth(self, draft_positions: int) -> int:
+        """Deepest node this policy's trees can have when the drafter has ``draft_positions`` positions (0:
+        no drafter); the loop sizes the accepted path by it."""
+        return draft_positions
+
     def wants_draft(self) -> bool:
         """Whether the coming round runs the drafter (for the whole batch); False: every row verifies its
         root alone."""
@@ -110,6 +122,11 @@ class TreePolicy:
         """Host-side feedback after a drafted tree's round was read back: per running row the tree's
         expected tokens and chosen size (None when the policy returned none), and the seconds of the stages
         that built it (``draft``, ``pool``, ``scoring``, ``selection``)."""
+
+    def observe_rows(self, accepted: Dict[int, Optional[List[int]]], aux: Dict[int, List[int]]) -> None:
+        """Host-side feedback after every read that carried :attr:`BuiltTree.aux`, per running row index: the
+        drafted tokens the target accepted from the tree the row verified in this round (None when the row
+        just joined), and the aux columns of the tree it verifies next."""
 
     def build(self, draft_logits: Optional[torch.Tensor], draft_hidden: Optional[torch.Tensor], bonus: torch.Tensor,
               depth_cap: Optional[torch.Tensor] = None, timer=None, rows: Optional[int] = None) -> BuiltTree:
@@ -127,6 +144,9 @@ class TreePolicy:
                 None: untimed.
             rows: how many rows are running (a host int; default B); the others have depth cap 0 and
                 their trees are never verified.
+
+        Policies with :attr:`wants_history` also receive ``history=(tokens [B, C], lengths [B])``.
+
         Returns:
             :class:`BuiltTree`.
         """

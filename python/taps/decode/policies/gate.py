@@ -257,6 +257,12 @@ class GatedPolicy(TreePolicy):
         (what :func:`taps_kernels.select_subtree`'s reach rule keeps for a budget of ``n_b``), within its depth
         cap, re-indexed by the library's re-index kernel; ``N = max_nodes + 1`` columns. ``rows``: running rows
         (default B; rows with depth cap 0 claim no nodes)."""
+        keep, expected, sizes = self._throughput_keep(tree, log_reach, depth_cap, rows)
+        return BuiltTree(self._kept_tree(tree, keep), expected, sizes)
+
+    def _throughput_keep(self, tree: Tree, log_reach: torch.Tensor, depth_cap: Optional[torch.Tensor],
+                         rows: Optional[int] = None):
+        """The joint rule's choice as ``(keep [B, N] bool, expected [B] float32, sizes [B] int64)``."""
         B = tree.batch_size
         rows = B if rows is None else rows
         ok = depth_mask(tree, depth_cap)
@@ -267,8 +273,13 @@ class GatedPolicy(TreePolicy):
         N = tree.tokens.shape[1]
         taken = torch.arange(N - 1, device=e.device)[None, :] < sizes[:, None]
         keep = torch.cat([ok[:, :1], torch.zeros_like(taken).scatter_(1, order, taken)], 1) & ok
-        width = self._max_nodes + 1  # static: the same for every round of this policy
-        return BuiltTree(pad_tree(slice_tree(keep_nodes(tree, keep), min(N, width)), width), expected, sizes)
+        return keep, expected, sizes
+
+    def _kept_tree(self, tree: Tree, keep: torch.Tensor) -> Tree:
+        """The kept nodes re-indexed, ``max_nodes + 1`` columns (static: the same for every round)."""
+        width = self._max_nodes + 1
+        N = tree.tokens.shape[1]
+        return pad_tree(slice_tree(keep_nodes(tree, keep), min(N, width)), width)
 
     def observe(self, expected, sizes, times) -> None:
         if self._latency is None:

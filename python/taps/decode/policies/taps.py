@@ -137,11 +137,11 @@ class TapsPolicy(GatedPolicy):
             positions = self.draft_positions(drafter.config.block_size - 1) if drafter is not None else None
             self._bind_throughput(self.latency, self.max_nodes, positions)
 
-    def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
+    def _scored_pool(self, draft_logits, draft_hidden, bonus, timer):
+        """The candidate pool ``tree [B, pool_size + 1]`` and its scorer log reach ``[B, pool_size + 1]``."""
         if self.weights is None:
             raise RuntimeError(f"policy {self.name}: bind() was not called (the decoder calls it)")
-        timer = timer or NO_TIMER
-        V, D = draft_logits.shape[-1], draft_logits.shape[1]
+        V = draft_logits.shape[-1]
         with timer("pool"):
             pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
                                                vocab_ids=self.vocab_ids,
@@ -150,14 +150,19 @@ class TapsPolicy(GatedPolicy):
             hid = draft_hidden.float() if self.weights.full else None
             _, _, log_reach = taps_kernels.score_edges(pool, self.weights, self.emb if self.weights.full else None, hid,
                                                       **HOT_SCORE)
+        return pool.tree, log_reach
+
+    def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
+        timer = timer or NO_TIMER
+        pool_tree, log_reach = self._scored_pool(draft_logits, draft_hidden, bonus, timer)
         with timer("selection"):
             if self.rule == "reach":
-                return self._throughput_build(pool.tree, log_reach, depth_cap, D, rows)
+                return self._throughput_build(pool_tree, log_reach, depth_cap, draft_logits.shape[1], rows)
             if self.rule == "fixed":
-                tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="reach",
+                tree = taps_kernels.select_subtree(pool_tree, log_reach, self.max_nodes, rule="reach",
                                                    **HOT_SELECT).tree
             else:
-                tree = taps_kernels.select_subtree(pool.tree, log_reach, self.max_nodes, rule="utility", **HOT_SELECT,
+                tree = taps_kernels.select_subtree(pool_tree, log_reach, self.max_nodes, rule="utility", **HOT_SELECT,
                                                    lambda_node=LAMBDA_NODE, lambda_depth=LAMBDA_DEPTH,
                                                    min_utility=self.min_utility).tree
             if depth_cap is not None:

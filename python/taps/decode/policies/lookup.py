@@ -1,0 +1,170 @@
+"""Prompt lookup as a policy of its own and grafted into TAPS trees (:mod:`taps.decode.lookup`).
+
+* ``lookup[:K]``: prompt-lookup decoding without a drafter. Each round verifies the root and the up to ``K``
+  tokens (default :data:`DEFAULT_LOOKUP_TOKENS`) that followed the latest earlier occurrence of the row's
+  last 3, else 2, else 1 tokens; no match: the root alone. The baseline a user without a drafter would pick
+  (HF ``generate(prompt_lookup_num_tokens=K)`` in this harness).
+* ``taps-lookup[:N]``: TAPS (throughput rule, gate, draft positions as ``taps``) whose candidate pool also
+  holds the lookup chain. Chain node ``k`` (depth ``k + 1``) gets reach ``q_n ** (k + 1)``, or its scorer reach
+  when the pool already has that node and it is larger; ``q_n`` is the measured rate at which the target
+  accepts the next chain token after an ``n``-token match (:class:`ChainAcceptance`), so the throughput rule
+  keeps chain nodes exactly while they pay for their verify time, like any other node. Rounds where the gate
+  skips the drafter still verify the chain (lookup costs no drafter pass).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from ..lookup import DEFAULT_MAX_NGRAM, accepted_prefix, graft_chain, lookup_chain, lookup_only_tree
+from ..tree_ops import root_only_tree
+from .base import NO_TIMER, BuiltTree, PolicyError, TreePolicy, parse_budget, register_policy
+from .taps import DEFAULT_CAP, DEFAULT_MAX_DEPTH, OPTIONS, TapsPolicy
+
+#: Chain length: as HF's prompt-lookup examples (10 tokens).
+DEFAULT_LOOKUP_TOKENS = 10
+#: Weight of the newest observation's counts (older ones decay by this factor per observation).
+ACCEPTANCE_DECAY = 0.9
+#: Prior successes / failures of every match length (a chain token is first believed right one time in three).
+PRIOR = (1.0, 2.0)
+
+
+def _lookup_args(name: str, num_tokens: int, max_ngram: int):
+    for arg, v in (("num_tokens", num_tokens), ("max_ngram", max_ngram)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PolicyError(f"policy {name}: {arg} expected an integer >= 1, received {v!r}")
+
+
+def _history(name: str, history):
+    if history is None:
+        raise RuntimeError(f"policy {name}: build() needs history= (the decoder passes it)")
+    return history
+
+
+class PromptLookupPolicy(TreePolicy):
+    """Prompt-lookup chains, no drafter.
+
+    Args:
+        num_tokens: longest chain ``K``.
+        max_ngram: longest suffix matched.
+    """
+
+    uses_drafter = False
+    wants_history = True
+    chain_trees = True
+
+    def __init__(self, num_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM):
+        _lookup_args("lookup", num_tokens, max_ngram)
+        self.num_tokens = self.max_nodes = num_tokens
+        self.max_ngram = max_ngram
+
+    def max_tree_depth(self, draft_positions: int) -> int:
+        return self.num_tokens
+
+    def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None, history=None):
+        tokens, lengths = _history(self.name, history)
+        with (timer or NO_TIMER)("lookup"):
+            chain, chain_len, _ = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram)
+            return BuiltTree(lookup_only_tree(bonus, chain, chain_len, depth_cap))
+
+
+class ChainAcceptance:
+    """Per match length ``n``, the rate ``q_n`` at which the target accepts the next chain token (a geometric
+    model of how far a chain holds), from decayed counts: a verified chain whose first ``m`` tokens were in the
+    tree adds ``a`` successes (its accepted prefix) and one failure when ``a < m``."""
+
+    def __init__(self, max_ngram: int, decay: float = ACCEPTANCE_DECAY, prior=PRIOR):
+        self.decay = float(decay)
+        self.prior = prior
+        self.success = [0.0] * (max_ngram + 1)
+        self.failure = [0.0] * (max_ngram + 1)
+
+    def record(self, ngram: int, accepted: int, failed: bool) -> None:
+        self.success[ngram] = self.decay * self.success[ngram] + accepted
+        self.failure[ngram] = self.decay * self.failure[ngram] + float(failed)
+
+    def rate(self, ngram: int) -> float:
+        s, f = self.success[ngram] + self.prior[0], self.failure[ngram] + self.prior[1]
+        return s / (s + f)
+
+    def log_reach(self, ngram: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[B, K] float32`` chain log reach ``(k + 1) * log q_n`` of rows whose match length is ``ngram [B]``
+        (host floats enter as kernel scalars: nothing is copied to the device)."""
+        log_q = torch.zeros(ngram.shape, dtype=torch.float32, device=ngram.device)
+        for n in range(1, len(self.success)):
+            log_q = log_q.masked_fill(ngram == n, math.log(self.rate(n)))
+        depth = torch.arange(1, num_tokens + 1, dtype=torch.float32, device=ngram.device)
+        return log_q[:, None] * depth[None, :]
+
+
+class TapsLookupPolicy(TapsPolicy):
+    """TAPS throughput rule over the scored pool with the prompt-lookup chain grafted in.
+
+    Args:
+        max_nodes: node cap ``N`` (non-root nodes per row).
+        num_tokens: longest lookup chain ``K``.
+        max_ngram: longest suffix matched.
+        **kwargs: :class:`TapsPolicy`'s (scorer, pool_size, latency, gate, ...).
+    """
+
+    wants_history = True
+
+    def __init__(self, max_nodes: int = DEFAULT_CAP, num_tokens: int = DEFAULT_LOOKUP_TOKENS,
+                 max_ngram: int = DEFAULT_MAX_NGRAM, **kwargs):
+        _lookup_args("taps-lookup", num_tokens, max_ngram)
+        kwargs.setdefault("max_depth", DEFAULT_MAX_DEPTH)
+        super().__init__(max_nodes, rule="reach", **kwargs)
+        self.num_tokens = num_tokens
+        self.max_ngram = max_ngram
+        self.acceptance = ChainAcceptance(max_ngram)
+        self._chains: Dict[int, List[int]] = {}
+
+    def max_tree_depth(self, draft_positions: int) -> int:
+        return max(self.draft_positions(draft_positions), self.num_tokens)
+
+    def reset(self) -> None:
+        super().reset()
+        self.acceptance = ChainAcceptance(self.max_ngram)
+        self._chains = {}
+
+    def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None, history=None):
+        tokens, lengths = _history(self.name, history)
+        timer = timer or NO_TIMER
+        if draft_logits is None:
+            tree = root_only_tree(bonus)
+            log_reach = torch.zeros(tree.tokens.shape, dtype=torch.float32, device=bonus.device)
+        else:
+            tree, log_reach = self._scored_pool(draft_logits, draft_hidden, bonus, timer)
+        with timer("lookup"):
+            chain, chain_len, ngram = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram)
+            tree, log_reach, nodes = graft_chain(tree, log_reach, chain, chain_len,
+                                                 self.acceptance.log_reach(ngram, self.num_tokens))
+        with timer("selection"):
+            keep, expected, sizes = self._throughput_keep(tree, log_reach, depth_cap, rows)
+            kept = (keep.gather(1, nodes.clamp(min=0)) & (nodes >= 0)).sum(1)
+            built = BuiltTree(self._kept_tree(tree, keep), expected, sizes)
+        built.aux = torch.cat([ngram[:, None], kept[:, None], chain], 1)
+        return built
+
+    def observe_rows(self, accepted: Dict[int, Optional[List[int]]], aux: Dict[int, List[int]]) -> None:
+        for b, verified in accepted.items():
+            prev = self._chains.get(b)
+            if verified is not None and prev is not None and prev[1] > 0:
+                ngram, kept, chain = prev[0], prev[1], prev[2:2 + prev[1]]
+                a = accepted_prefix(verified, chain)
+                self.acceptance.record(ngram, a, a < kept)
+        self._chains.update(aux)
+
+
+@register_policy("lookup", "prompt lookup without a drafter: the up to K tokens after the latest match of the last "
+                           "3/2/1 tokens (default 10)", params="[K]")
+def _make_lookup(arg):
+    return PromptLookupPolicy(parse_budget("lookup", arg, DEFAULT_LOOKUP_TOKENS))
+
+
+@register_policy("taps-lookup", "TAPS with the prompt-lookup chain in its pool, costed by its measured acceptance; "
+                                "N caps nodes per row (default 64)", params="[N]", options=OPTIONS)
+def _make_taps_lookup(arg, **options):
+    return TapsLookupPolicy(parse_budget("taps-lookup", arg, DEFAULT_CAP), **options)

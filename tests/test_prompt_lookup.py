@@ -1,0 +1,250 @@
+"""Prompt lookup: the device-side n-gram match, the graft into a tree and the token history equal plain Python
+references exactly on random inputs of awkward shapes; the ``lookup`` and ``taps-lookup`` policies decode
+exactly HF ``generate``'s greedy output (batched, rows joining, both attention paths); their acceptance
+estimate counts what the target really accepted; a failed round restores the history."""
+import random
+
+import pytest
+import torch
+
+from helpers import hf_greedy, random_scorer, random_tree, tiny_drafter, tiny_target
+from taps.decode import BatchDecoder, Request, SpeculativeDecoder, make_policy
+from taps.decode.lookup import TokenHistory, accepted_prefix, graft_chain, lookup_chain, lookup_only_tree
+from taps.decode.policies.base import PolicyError
+from taps.decode.policies.lookup import ChainAcceptance, TapsLookupPolicy
+from taps_kernels import Tree
+
+V = 61
+LATENCY = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02, "t0_parts": {"context": 0.001}}
+
+
+# --- references ---------------------------------------------------------------------------------------------------
+
+def lookup_reference(history, num_tokens, max_ngram):
+    """(chain, ngram) of one row: the latest earlier occurrence of the longest matching suffix."""
+    L = len(history)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        suffix = history[L - n:]
+        starts = [s for s in range(0, L - n) if history[s:s + n] == suffix]
+        if starts:
+            s = starts[-1] + n
+            return history[s:s + num_tokens], n
+    return [], 0
+
+
+def graft_reference(par, tok, reach, chain, chain_reach):
+    """Plain-list graft of one row: (parents, tokens, depth, reach, chain node indices)."""
+    par, tok, reach = list(par), list(tok), list(reach)
+    depth = [0] * len(par)
+    for i in range(1, len(par)):
+        depth[i] = depth[par[i]] + 1
+    cur, nodes = 0, []
+    for k, c in enumerate(chain):
+        kids = [i for i in range(len(par)) if par[i] == cur and tok[i] == c and i > 0]
+        if kids:
+            child = kids[0]
+            reach[child] = max(reach[child], chain_reach[k])
+        else:
+            par.append(cur), tok.append(c), depth.append(depth[cur] + 1), reach.append(chain_reach[k])
+            child = len(par) - 1
+        nodes.append(child)
+        cur = child
+    return par, tok, depth, reach, nodes
+
+
+def rows_of(tree: Tree, b: int):
+    n = int(tree.num_nodes[b])
+    return tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist(), tree.depth[b, :n].tolist()
+
+
+# --- device ops against the references ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("B,C,K,max_ngram,vocab", [(1, 1, 1, 3, 5), (3, 17, 4, 3, 4), (5, 40, 10, 2, 7),
+                                                   (2, 9, 12, 4, 2), (4, 64, 3, 1, 30)])
+def test_lookup_chain_equals_reference(B, C, K, max_ngram, vocab):
+    rng = random.Random(B * 1000 + C)
+    for _ in range(20):
+        lengths = [rng.randint(1, C) for _ in range(B)]
+        rows = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+        tokens = torch.full((B, C), 99, dtype=torch.int64)  # junk past each length must never be matched
+        for b, r in enumerate(rows):
+            tokens[b, :len(r)] = torch.tensor(r)
+        chain, chain_len, ngram = lookup_chain(tokens, torch.tensor(lengths), K, max_ngram)
+        assert chain.shape == (B, K)
+        for b, r in enumerate(rows):
+            want, n = lookup_reference(r, K, max_ngram)
+            assert int(ngram[b]) == n and int(chain_len[b]) == len(want), (r, want, n)
+            assert chain[b, :len(want)].tolist() == want and not chain[b, len(want):].any()
+
+
+@pytest.mark.parametrize("B,N,K", [(1, 1, 1), (3, 7, 4), (4, 20, 10), (2, 33, 3)])
+def test_graft_chain_equals_reference(B, N, K):
+    rng = random.Random(N * 31 + K)
+    for _ in range(15):
+        tree = random_tree(rng, B, N, vocab=4)
+        # distinct sibling tokens, as pools have: re-token every node by its rank among its siblings
+        tok = tree.tokens.clone()
+        for b in range(B):
+            seen = {}
+            for i in range(1, int(tree.num_nodes[b])):
+                p = int(tree.parents[b, i])
+                tok[b, i] = seen.get(p, 0)
+                seen[p] = int(tok[b, i]) + 1
+        tree = Tree(tok, tree.parents, tree.depth, tree.num_nodes)
+        reach = -torch.rand(B, N) * 4
+        reach[:, 0] = 0
+        reach = torch.where(torch.arange(N)[None, :] < tree.num_nodes[:, None].long(), reach,
+                            torch.tensor(float("-inf")))
+        # chains that follow existing paths for a while, then leave them
+        chain = torch.tensor([[rng.randrange(3) for _ in range(K)] for _ in range(B)])
+        chain_len = torch.tensor([rng.randint(0, K) for _ in range(B)])
+        chain_reach = torch.cumsum(-torch.rand(B, K), 1)
+        got, got_reach, nodes = graft_chain(tree, reach, chain, chain_len, chain_reach)
+        assert got.tokens.shape == (B, N + K)
+        for b in range(B):
+            n = int(tree.num_nodes[b])
+            L = int(chain_len[b])
+            par, tk, dep, rr, want_nodes = graft_reference(tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist(),
+                                                            reach[b, :n].tolist(), chain[b, :L].tolist(),
+                                                            chain_reach[b, :L].tolist())
+            assert rows_of(got, b) == (par, tk, dep)
+            assert got_reach[b, :len(par)].tolist() == pytest.approx(rr, abs=0)
+            assert torch.isinf(got_reach[b, len(par):]).all()
+            assert nodes[b].tolist() == want_nodes + [-1] * (K - L)
+            assert all(p < i for i, p in enumerate(par) if i > 0)  # topological
+
+
+def test_token_history_appends_like_lists():
+    rng = random.Random(5)
+    h = TokenHistory(3, "cpu")
+    ref = [[], [], []]
+    for b in range(3):
+        ref[b] = [rng.randrange(V) for _ in range(rng.randint(1, 5))]
+        h.set_row(b, ref[b])
+    for _ in range(30):
+        P = rng.randint(1, 6)
+        counts = [rng.randint(0, P) for _ in range(3)]
+        committed = torch.full((3, P), -1, dtype=torch.int64)
+        for b in range(3):
+            new = [rng.randrange(V) for _ in range(counts[b])]
+            committed[b, :counts[b]] = torch.tensor(new, dtype=torch.int64)
+            ref[b] += new
+        h.reserve(max(len(r) for r in ref))  # grows between rounds, keeping every row
+        h.append(committed, torch.tensor(counts))
+        tokens, lengths = h.rows(slice(0, 3))
+        assert lengths.tolist() == [len(r) for r in ref]
+        assert [tokens[b, :len(r)].tolist() for b, r in enumerate(ref)] == ref
+
+
+def test_lookup_only_tree_is_the_capped_chain():
+    chain = torch.tensor([[4, 5, 6], [7, 8, 9], [1, 2, 3]])
+    tree = lookup_only_tree(torch.tensor([10, 11, 12]), chain, torch.tensor([3, 0, 2]), torch.tensor([1, 5, 5]))
+    assert tree.num_nodes.tolist() == [2, 1, 3]
+    assert rows_of(tree, 0) == ([-1, 0], [10, 4], [0, 1])
+    assert rows_of(tree, 1) == ([-1], [11], [0])
+    assert rows_of(tree, 2) == ([-1, 0, 1], [12, 1, 2], [0, 1, 2])
+    assert tree.tokens[0, 2:].tolist() == [0, 0] and tree.parents[0, 2:].tolist() == [-1, -1]
+
+
+# --- acceptance estimate ------------------------------------------------------------------------------------------
+
+def test_acceptance_counts_the_accepted_prefix_of_the_kept_chain():
+    pol = TapsLookupPolicy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
+    assert accepted_prefix([4, 5, 9], [4, 5, 6, 7]) == 2 and accepted_prefix([], [1]) == 0
+    # row 0 proposes chain 4 5 6 7 after a 2-token match with 3 chain nodes kept; row 1 kept none
+    pol.observe_rows({0: None, 1: None}, {0: [2, 3, 4, 5, 6, 7], 1: [1, 0, 9, 9, 9, 9]})
+    assert pol.acceptance.success == [0.0] * 4 and pol.acceptance.failure == [0.0] * 4
+    pol.observe_rows({0: [4, 5, 1], 1: [9, 9]}, {0: [3, 2, 1, 1, 0, 0], 1: [1, 0, 0, 0, 0, 0]})
+    assert pol.acceptance.success[2] == 2.0 and pol.acceptance.failure[2] == 1.0  # 2 of 3 kept, then rejected
+    assert pol.acceptance.success[1] == 0.0 and pol.acceptance.failure[1] == 0.0  # nothing kept: nothing learned
+    pol.observe_rows({0: [1, 1, 5]}, {0: [0, 0, 0, 0, 0, 0]})
+    assert pol.acceptance.success[3] == 2.0 and pol.acceptance.failure[3] == 0.0  # whole kept chain accepted
+    acc = ChainAcceptance(3)
+    acc.record(2, 3, False)
+    lr = acc.log_reach(torch.tensor([0, 2]), 4)
+    q = (3 + 1) / (3 + 1 + 0 + 2)
+    assert torch.allclose(lr[1], torch.log(torch.tensor(q)) * torch.arange(1, 5)), lr
+    assert lr[0].tolist() == [0.0] * 4  # no match: the chain is empty (its reach is never used)
+
+
+# --- decoding ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_target(0, vocab=V), tiny_drafter(0, vocab=V)
+
+
+def taps_lookup():
+    return TapsLookupPolicy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
+
+
+def repetitive_requests(target, n, seed):
+    """Prompts that repeat a short pattern (lookup matches and is often right), ragged lengths and stops."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        pattern = [rng.randrange(V) for _ in range(rng.randint(1, 6))]
+        prompt = (pattern * 12)[:rng.randint(1, 40)]
+        max_new = rng.randint(3, 30)
+        stops = ()
+        if i % 3 == 2:
+            full = hf_greedy(target, prompt, max_new)
+            stops = (full[rng.randrange(len(full))],)
+        out.append((Request(prompt, max_new, stops), hf_greedy(target, prompt, max_new, stops)))
+    return out
+
+
+@pytest.mark.parametrize("spec", ["lookup", "lookup:3", "taps-lookup"])
+def test_lookup_policies_equal_hf_generate(models, spec):
+    target, drafter = models
+    for req, ref in repetitive_requests(target, 8, seed=3):
+        policy = taps_lookup() if spec == "taps-lookup" else make_policy(spec)
+        res = SpeculativeDecoder(target, policy, drafter=drafter if policy.uses_drafter else None,
+                                 stop_token_ids=req.stop_token_ids).generate(req.prompt_ids, req.max_new_tokens)
+        assert res.token_ids == ref, spec
+
+
+@pytest.mark.parametrize("attention", ["taps_tree", "sdpa"])
+@pytest.mark.parametrize("spec", ["lookup:4", "taps-lookup"])
+def test_lookup_policies_batched(models, spec, attention):
+    """Rows of a batch, requests joining as rows free up: each request gets its own greedy output, and the
+    chains (several tokens per round on these prompts) really were accepted."""
+    target, drafter = models
+    reqs = repetitive_requests(target, 7, seed=8)
+    policy = taps_lookup() if spec == "taps-lookup" else make_policy(spec)
+    dec = BatchDecoder(target, policy, drafter=drafter if policy.uses_drafter else None, max_batch=3,
+                       attention=attention)
+    got = dec.generate_batch([r for r, _ in reqs])
+    assert [g.token_ids for g in got] == [ref for _, ref in reqs]
+    assert max(r.accept_len for g in got for r in g.stats.rounds) > 2
+    if spec == "taps-lookup":  # the estimate learned from the target's verdicts
+        assert sum(policy.acceptance.success) + sum(policy.acceptance.failure) > 0
+
+
+def test_failed_round_restores_the_history(models, monkeypatch):
+    target, drafter = models
+    prompt, max_new = [3, 4, 5, 3, 4, 5, 3, 4], 20
+    ref = hf_greedy(target, prompt, max_new)
+    dec = SpeculativeDecoder(target, taps_lookup(), drafter=drafter)
+    dec.start(prompt, max_new)
+    dec.step()
+    tokens, lengths = (t.clone() for t in dec._history.rows(slice(0, 1)))
+    n = int(lengths[0])
+    assert tokens[0, :n].tolist() == prompt + dec.generated
+    with monkeypatch.context() as m:
+        m.setattr(dec.policy, "build", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            dec.step()  # the history was appended before the policy raised
+    assert torch.equal(dec._history.lengths[:1], lengths)
+    while not dec.done:
+        dec.step()
+    assert dec.generated == ref
+
+
+def test_bad_lookup_specs():
+    with pytest.raises(PolicyError, match="expected a budget >= 1"):
+        make_policy("lookup:0")
+    with pytest.raises(PolicyError, match="num_tokens expected an integer >= 1"):
+        TapsLookupPolicy(8, num_tokens=0)
+    with pytest.raises(RuntimeError, match="needs history="):
+        make_policy("lookup").build(None, None, torch.tensor([1]))
