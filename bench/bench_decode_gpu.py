@@ -9,8 +9,8 @@ one it almost never proposes the target's token: tau is ~1 here. This run checks
 RUNS, is LOSSLESS and how long each STAGE takes; acceptance (tau) comes from the CPU benchmark with the real
 model (``bench/results/taps_bench_cpu_*.json``).
 
-Steps (policies ``ar``, ``dflash``, ``ddtree:16``, ``ddtree:64``, ``taps``; attention through ``taps_tree``,
-every op on its default backend for the device, which on CUDA is a Triton or CUDA kernel):
+Steps (policies ``ar``, ``dflash``, ``ddtree:16``, ``ddtree:64``, ``taps``, ``taps-lookup``, ``lookup``; attention
+through ``taps_tree``, every op on its default backend for the device, which on CUDA is a Triton or CUDA kernel):
 
 1. verify-latency table: one target verify (``TargetVerifier.verify_batch``, hidden states for the drafter
    on, as in the loop) of ``B`` rows x ``N`` nodes on a ``--prefix``-token cache, N in 1..128, B in 1/4/16;
@@ -62,7 +62,7 @@ PROMPTS_JSON = os.path.join(DATA, "humaneval_prompt_ids.json")
 DRAFTER_DIR = os.path.join(ROOT, "checkpoints", "smollm2-dflash")
 SCORER_DIR = os.path.join(ROOT, "checkpoints", "smollm2-taps-scorer")
 TAU_JSONS = ("bench/results/taps_bench_cpu_full_humaneval.json", "bench/results/taps_bench_cpu_humaneval.json")
-POLICIES = ("ar", "dflash", "ddtree:16", "ddtree:64", "taps")
+POLICIES = ("ar", "dflash", "ddtree:16", "ddtree:64", "taps", "taps-lookup", "lookup")
 BUILD_STAGES = ("draft", "pool", "scoring", "selection")
 FIXED_STAGES = ("accept", "compaction", "context")
 STAGES = BUILD_STAGES + ("verify",) + FIXED_STAGES

@@ -42,7 +42,7 @@ def test_defaults_and_errors(capsys):
     from taps.cli.main import build_parser
 
     args = build_parser().parse_args(["generate", "--prompt", "x"])
-    assert args.policy == "taps" and args.backend == "auto" and args.attention == "auto" and args.batch_size == 1
+    assert args.policy == "taps-lookup" and args.backend == "auto" and args.attention == "auto" and args.batch_size == 1
     rc, out, err = run_cli(capsys, "generate", "--prompt", "x", "--batch-size", 2)
     assert rc == 2 and "--batch-size" in err
     rc, out, err = run_cli(capsys, "generate", "--prompt", "x", "--attention", "flash")

@@ -12,7 +12,7 @@ from taps.scoring.io import save_scorer
 from taps.scoring.latency import save_table
 
 V = 61
-POLICIES = ["ar", "dflash", "ddtree:8", "taps"]
+POLICIES = ["ar", "dflash", "ddtree:8", "taps", "taps-lookup", "lookup"]
 
 
 @pytest.fixture(scope="module")

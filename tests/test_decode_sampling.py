@@ -74,6 +74,7 @@ def chi2_critical(dof, z=3.3):
 
 @pytest.mark.parametrize("spec,cfg", [
     ("ddtree:8", SamplingConfig(temperature=1.0)),
+    ("lookup:3", SamplingConfig(temperature=1.0)),  # chains from the row's own history, no drafter
     pytest.param("ddtree:8", SamplingConfig(temperature=0.8, top_k=4, top_p=0.9), marks=pytest.mark.slow)])
 def test_speculative_sampling_has_the_target_distribution(spec, cfg):
     target = tiny_target(21, vocab=VS, layers=3)
@@ -84,7 +85,8 @@ def test_speculative_sampling_has_the_target_distribution(spec, cfg):
         target.model.norm.weight.mul_(6.0)  # the drafter borrows lm_head: leave that alone
     n_tokens, n = 3, 1000
     exact = exact_first_tokens(target, cfg, n_tokens)
-    dec = SpeculativeDecoder(target, make_policy(spec), drafter=drafter, sampling=cfg)
+    policy = make_policy(spec)
+    dec = SpeculativeDecoder(target, policy, drafter=drafter if policy.uses_drafter else None, sampling=cfg)
     counts, accepted = {}, 0
     for i in range(n):
         # one more token than recorded, so the first round's tree keeps depth 2 (the length limit prunes it)

@@ -44,6 +44,18 @@ def test_check_targets_values():
     assert not bad["lossless: every output identical to AR (temperature 0)"]["met"]
 
 
+def test_check_targets_for_taps_with_prompt_lookup():
+    r = run()
+    r["policies"]["taps-lookup"] = pol(4.0, 7, 36)
+    r["policies"]["lookup"] = pol(2.0, 5, 18)
+    checks = {c["name"]: c for c in check_targets(r)}
+    c = checks["TAPS with prompt lookup (taps-lookup) / best fixed-budget DDTree (ddtree:8), median tok/s"]
+    assert c["value"] == pytest.approx(1.5) and c["met"]
+    assert checks["TAPS with prompt lookup (taps-lookup) / AR, aggregate tok/s"]["value"] == pytest.approx(3.6)
+    assert checks["TAPS / AR, median tok/s"]["value"] == pytest.approx(3.0)  # plain TAPS still checked on its own
+    assert not any(k.startswith("lookup") for k in checks)  # the no-drafter baseline has no targets
+
+
 def test_check_targets_hf_baseline():
     r = run()
     r["policies"]["hf"] = pol(None, None, 8)  # speedup 0.8: AR's time per token is 0.8x HF's

@@ -8,13 +8,14 @@ import time
 from .bench import build_decoders, format_table, run_suite, summarize
 from .common import CLIError, add_model_flags, drafter_dir_cli, load_drafter_cli, load_target_cli, positive_int, quiet_warnings, setup_torch
 
-DEMO_POLICIES = ("ar", "dflash", "ddtree:16")
-#: Policies shown when registered (added by later work); each must build from its bare name.
-OPTIONAL_POLICIES = ("taps",)
+DEMO_POLICIES = ("ar", "dflash", "ddtree:16", "lookup")
+#: Policies shown when they build from their bare name (they need the shipped scorer).
+OPTIONAL_POLICIES = ("taps", "taps-lookup")
 
 
 def add_subcommand(sub) -> None:
-    p = sub.add_parser("demo", help="AR vs DFlash vs DDTree (vs TAPS) on real prompts; checks outputs equal AR's")
+    p = sub.add_parser("demo", help="AR vs DFlash vs DDTree vs prompt lookup (vs TAPS) on real prompts; checks outputs equal "
+                                      "AR's")
     p.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts (default 2)")
     p.add_argument("--mtbench", type=int, default=2, help="MT-Bench prompts, first turn (default 2)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)

@@ -16,8 +16,9 @@ ATTENTIONS = ("auto", "taps_tree", "sdpa")
 
 def add_subcommand(sub) -> None:
     p = sub.add_parser("generate", help="generate from one prompt (or a JSONL file, batched) with one policy")
-    p.add_argument("--policy", default="taps",
-                   help="taps (default), ar, dflash, ddtree[:B] (default budget 8), ...; `taps policies` lists them")
+    p.add_argument("--policy", default="taps-lookup",
+                   help="taps-lookup (default: TAPS with the prompt-lookup chain in its pool), taps, lookup, ar, dflash, "
+                        "ddtree[:B] (default budget 8), ...; `taps policies` lists them")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (chat template) or, with --raw, plain text")
     src.add_argument("--prompts", metavar="FILE.jsonl",

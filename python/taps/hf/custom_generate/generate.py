@@ -56,12 +56,12 @@ def _load_drafter(drafter, model):
 
 
 def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, streamer=None, drafter=None,
-             taps_policy: str = "taps", taps_seed: Optional[int] = None, taps_scorer=None,
+             taps_policy: str = "taps-lookup", taps_seed: Optional[int] = None, taps_scorer=None,
              taps_pool_size: Optional[int] = None, **kwargs):
     """Run this project's lossless speculative decoder for every row of ``inputs`` ``[B, T] int64``.
 
     ``drafter``: a ``DFlashDrafter``, a drafter directory, or None (the shipped drafter, when the policy
-    drafts). ``taps_policy``: a policy spec (``ar``, ``dflash``, ``ddtree:8``, ``taps``, ...).
+    drafts). ``taps_policy``: a policy spec (``ar``, ``dflash``, ``ddtree:8``, ``taps``, ``taps-lookup``, ...).
     ``taps_seed``: seed of the target's draws when sampling (default: drawn from torch's generator).
     ``taps_scorer`` / ``taps_pool_size``: the taps* policies' scorer directory and pool size (default: the
     shipped scorer, 128); ignored by policies without them.
