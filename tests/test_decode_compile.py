@@ -3,7 +3,8 @@
 What compiles: the ``taps::`` custom ops the loop calls (tree mask, tree attention, accept walk, KV
 compaction), the tree-building ones (top-K statistics, best-first pool, edge scoring, subtree selection and
 re-indexing, through :mod:`taps_kernels.custom_ops_tree_build`), and the loop's own device-side tree edits
-and size rule (depth cap, top-n per row, joint batch sizes, committed-token packing). The public
+and size rule (depth cap, top-n per row, joint batch sizes, committed-token packing), and prompt lookup (history
+append, n-gram match, graft into the pool). The public
 ``candidate_pool``/``score_edges``/``select_subtree`` keep their host-side dispatch and value checks; a
 traced round calls the custom-op wrappers instead.
 """
@@ -95,3 +96,41 @@ def test_pool_score_select_compile_fullgraph():
                                                                     target)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_prompt_lookup_compiles_fullgraph():
+    """History append, n-gram match, graft into a pool and the lookup-only tree: one graph, equal to eager."""
+    import random
+
+    from taps.decode.lookup import TokenHistory, graft_chain, lookup_chain, lookup_only_tree
+
+    def lookup(history, committed, counts, tree_parts, log_reach, bonus, caps):
+        history.append(committed, counts)
+        tokens, lengths = history.rows(slice(0, 3))
+        chain, chain_len, ngram = lookup_chain(tokens, lengths, 6, 3)
+        reach = torch.log(torch.full(chain.shape, 0.5)).cumsum(1)
+        tree, merged_reach, nodes = graft_chain(Tree(*tree_parts), log_reach, chain, chain_len, reach)
+        only = lookup_only_tree(bonus, chain, chain_len, caps)
+        return tree.tokens, tree.parents, tree.num_nodes, merged_reach, nodes, ngram, only.tokens, only.num_nodes
+
+    def inputs():
+        rng = random.Random(2)
+        history = TokenHistory(3, "cpu")
+        for b, n in enumerate((30, 12, 25)):
+            history.set_row(b, [rng.randrange(5) for _ in range(n)])
+        history.reserve(40)
+        tree = random_tree(rng, 3, 9, vocab=5)
+        g = torch.Generator().manual_seed(2)
+        reach = torch.where(torch.arange(9)[None, :] < tree.num_nodes[:, None].long(), -torch.rand(3, 9, generator=g),
+                            torch.tensor(float("-inf")))
+        return (history, torch.randint(5, (3, 4), generator=g), torch.tensor([2, 4, 1]),
+                (tree.tokens, tree.parents, tree.depth, tree.num_nodes), reach, torch.tensor([1, 2, 3]),
+                torch.tensor([6, 2, 0]))
+
+    eager_in, comp_in = inputs(), inputs()
+    want = lookup(*eager_in)
+    assert int((want[5] > 0).sum()) >= 2  # matches happened: the graft really added or reused chain nodes
+    got = torch.compile(lookup, fullgraph=True, backend="aot_eager")(*comp_in)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(comp_in[0].tokens, eager_in[0].tokens) and torch.equal(comp_in[0].lengths, eager_in[0].lengths)
