@@ -152,19 +152,25 @@ def test_acceptance_counts_the_accepted_prefix_of_the_kept_chain():
     pol = TapsLookupPolicy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
     assert accepted_prefix([4, 5, 9], [4, 5, 6, 7]) == 2 and accepted_prefix([], [1]) == 0
     # row 0 proposes chain 4 5 6 7 after a 2-token match with 3 chain nodes kept; row 1 kept none
+    start = ([1.0] * 4, [2.0] * 4)  # the prior's pseudo-counts
     pol.observe_rows({0: None, 1: None}, {0: [2, 3, 4, 5, 6, 7], 1: [1, 0, 9, 9, 9, 9]})
-    assert pol.acceptance.success == [0.0] * 4 and pol.acceptance.failure == [0.0] * 4
+    assert (pol.acceptance.success, pol.acceptance.failure) == start
     pol.observe_rows({0: [4, 5, 1], 1: [9, 9]}, {0: [3, 2, 1, 1, 0, 0], 1: [1, 0, 0, 0, 0, 0]})
-    assert pol.acceptance.success[2] == 2.0 and pol.acceptance.failure[2] == 1.0  # 2 of 3 kept, then rejected
-    assert pol.acceptance.success[1] == 0.0 and pol.acceptance.failure[1] == 0.0  # nothing kept: nothing learned
+    # 2 of 3 kept chain tokens accepted, then one rejected
+    assert pol.acceptance.success[2] == pytest.approx(0.9 + 2) and pol.acceptance.failure[2] == pytest.approx(1.8 + 1)
+    assert pol.acceptance.success[1] == 1.0 and pol.acceptance.failure[1] == 2.0  # nothing kept: nothing learned
     pol.observe_rows({0: [1, 1, 5]}, {0: [0, 0, 0, 0, 0, 0]})
-    assert pol.acceptance.success[3] == 2.0 and pol.acceptance.failure[3] == 0.0  # whole kept chain accepted
+    assert pol.acceptance.success[3] == pytest.approx(0.9 + 2) and pol.acceptance.failure[3] == pytest.approx(1.8)
     acc = ChainAcceptance(3)
+    assert acc.rate(2) == pytest.approx(1 / 3)
     acc.record(2, 3, False)
     lr = acc.log_reach(torch.tensor([0, 2]), 4)
-    q = (3 + 1) / (3 + 1 + 0 + 2)
+    q = (0.9 + 3) / (0.9 + 3 + 1.8)
     assert torch.allclose(lr[1], torch.log(torch.tensor(q)) * torch.arange(1, 5)), lr
     assert lr[0].tolist() == [0.0] * 4  # no match: the chain is empty (its reach is never used)
+    for _ in range(12):  # lookup that is never right: the rate falls below a node's price (the prior fades)
+        acc.record(1, 0, True)
+    assert acc.rate(1) < 0.05
 
 
 # --- decoding ------------------------------------------------------------------------------------------------------

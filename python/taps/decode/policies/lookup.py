@@ -27,7 +27,9 @@ from .taps import DEFAULT_CAP, DEFAULT_MAX_DEPTH, OPTIONS, TapsPolicy
 DEFAULT_LOOKUP_TOKENS = 10
 #: Weight of the newest observation's counts (older ones decay by this factor per observation).
 ACCEPTANCE_DECAY = 0.9
-#: Prior successes / failures of every match length (a chain token is first believed right one time in three).
+#: Starting successes / failures of every match length (a chain token is first believed right one time in
+#: three). They decay like observations: a prior that stayed would hold the rate above the price of a node
+#: (~0.07 tokens on these CPUs) in text where lookup is never right.
 PRIOR = (1.0, 2.0)
 
 
@@ -72,22 +74,21 @@ class PromptLookupPolicy(TreePolicy):
 
 class ChainAcceptance:
     """Per match length ``n``, the rate ``q_n`` at which the target accepts the next chain token (a geometric
-    model of how far a chain holds), from decayed counts: a verified chain whose first ``m`` tokens were in the
-    tree adds ``a`` successes (its accepted prefix) and one failure when ``a < m``."""
+    model of how far a chain holds), from decayed counts that start at ``prior``: a verified chain whose first
+    ``m`` tokens were in the tree adds ``a`` successes (its accepted prefix) and one failure when ``a < m``."""
 
     def __init__(self, max_ngram: int, decay: float = ACCEPTANCE_DECAY, prior=PRIOR):
         self.decay = float(decay)
-        self.prior = prior
-        self.success = [0.0] * (max_ngram + 1)
-        self.failure = [0.0] * (max_ngram + 1)
+        self.success = [float(prior[0])] * (max_ngram + 1)
+        self.failure = [float(prior[1])] * (max_ngram + 1)
 
     def record(self, ngram: int, accepted: int, failed: bool) -> None:
         self.success[ngram] = self.decay * self.success[ngram] + accepted
         self.failure[ngram] = self.decay * self.failure[ngram] + float(failed)
 
     def rate(self, ngram: int) -> float:
-        s, f = self.success[ngram] + self.prior[0], self.failure[ngram] + self.prior[1]
-        return s / (s + f)
+        s, f = self.success[ngram], self.failure[ngram]
+        return s / (s + f) if s + f > 0 else 0.0
 
     def log_reach(self, ngram: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``[B, K] float32`` chain log reach ``(k + 1) * log q_n`` of rows whose match length is ``ngram [B]``
