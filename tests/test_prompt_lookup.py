@@ -171,6 +171,8 @@ def test_acceptance_counts_the_accepted_prefix_of_the_kept_chain():
     for _ in range(12):  # lookup that is never right: the rate falls below a node's price (the prior fades)
         acc.record(1, 0, True)
     assert acc.rate(1) < 0.05
+    acc.success[1] = 0.0  # what thousands of failures leave (the decayed successes underflow)
+    assert acc.log_reach(torch.tensor([1]), 2).tolist() == [[float("-inf")] * 2]
 
 
 # --- decoding ------------------------------------------------------------------------------------------------------

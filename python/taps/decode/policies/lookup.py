@@ -95,7 +95,8 @@ class ChainAcceptance:
         (host floats enter as kernel scalars: nothing is copied to the device)."""
         log_q = torch.zeros(ngram.shape, dtype=torch.float32, device=ngram.device)
         for n in range(1, len(self.success)):
-            log_q = log_q.masked_fill(ngram == n, math.log(self.rate(n)))
+            q = self.rate(n)  # 0 once the decayed successes underflow: reach 0, never worth a node
+            log_q = log_q.masked_fill(ngram == n, math.log(q) if q > 0 else float("-inf"))
         depth = torch.arange(1, num_tokens + 1, dtype=torch.float32, device=ngram.device)
         return log_q[:, None] * depth[None, :]
 
