@@ -70,7 +70,7 @@ def test_decode_check_quick_cpu(tmp_path):
     assert "PROJECTION (not a measurement)" in out.stdout and "tau ~ 1" in out.stdout
     rec = json.loads((tmp_path / "decode_gpu_cpu_quick.json").read_text())
     specs = rec["meta"]["policies"]
-    assert specs == ["ar", "dflash", "ddtree:16", "ddtree:64", "taps"]
+    assert specs == ["ar", "dflash", "ddtree:16", "ddtree:64", "taps", "taps-lookup", "lookup"]
     max_new = rec["meta"]["max_new_tokens"]
     assert rec["meta"]["dtype"] == "torch.bfloat16" and rec["meta"]["check_dtype"] == "torch.float32"
     for phase in ("timed_b1", "exact_batched", "exact_b1", "timed_batched"):
@@ -106,4 +106,4 @@ def test_decode_check_quick_cpu(tmp_path):
         assert all(k.startswith("tolist at taps/decode/loop.py") or "taps_kernels/reference/" in k for k in sites), sites
     assert all(row["lossless"] for row in rec["summary"]) and rec["ok"]
     assert rec["verify_latency"]["points"] and rec["projection"]["rows"]
-    assert rec["one_line"].startswith("ok: 5/5 policies identical to ar")
+    assert rec["one_line"].startswith(f"ok: {len(specs)}/{len(specs)} policies identical to ar")
