@@ -60,7 +60,7 @@ def test_every_policy_equals_hf_generate(smollm2, prompt, monkeypatch):
         use_rows_linear(model)
     assert n_swapped > 0
     monkeypatch.setenv("TAPS_LATENCY", str(LATENCY))
-    specs = ["ar", "dflash", "ddtree:4", "ddtree:16", "ddtree-cost", "lookup"]
+    specs = ["ar", "dflash", "ddtree:4", "ddtree:16", "ddtree-cost", "lookup", "lookup-cost"]
     if (SCORER / "config.json").is_file():
         specs += ["taps", "taps-nogate", "taps-paper", "taps-fixed:8", "taps-lookup"]
     for spec in specs:

@@ -11,7 +11,7 @@ from helpers import hf_greedy, random_scorer, random_tree, tiny_drafter, tiny_ta
 from taps.decode import BatchDecoder, Request, SpeculativeDecoder, make_policy
 from taps.decode.lookup import TokenHistory, accepted_prefix, graft_chain, lookup_chain, lookup_only_tree
 from taps.decode.policies.base import PolicyError
-from taps.decode.policies.lookup import ChainAcceptance, TapsLookupPolicy
+from taps.decode.policies.lookup import ChainAcceptance, CostedLookupPolicy, TapsLookupPolicy
 from taps_kernels import Tree
 
 V = 61
@@ -186,6 +186,14 @@ def taps_lookup():
     return TapsLookupPolicy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
 
 
+def policy_of(spec):
+    if spec == "taps-lookup":
+        return taps_lookup()
+    if spec == "lookup-cost":
+        return CostedLookupPolicy(latency=LATENCY)
+    return make_policy(spec)
+
+
 def repetitive_requests(target, n, seed):
     """Prompts that repeat a short pattern (lookup matches and is often right), ragged lengths and stops."""
     rng = random.Random(seed)
@@ -202,31 +210,31 @@ def repetitive_requests(target, n, seed):
     return out
 
 
-@pytest.mark.parametrize("spec", ["lookup", "lookup:3", "taps-lookup"])
+@pytest.mark.parametrize("spec", ["lookup", "lookup:3", "taps-lookup", "lookup-cost"])
 def test_lookup_policies_equal_hf_generate(models, spec):
     target, drafter = models
     for req, ref in repetitive_requests(target, 8, seed=3):
-        policy = taps_lookup() if spec == "taps-lookup" else make_policy(spec)
+        policy = policy_of(spec)
         res = SpeculativeDecoder(target, policy, drafter=drafter if policy.uses_drafter else None,
                                  stop_token_ids=req.stop_token_ids).generate(req.prompt_ids, req.max_new_tokens)
         assert res.token_ids == ref, spec
 
 
 @pytest.mark.parametrize("attention", ["taps_tree", "sdpa"])
-@pytest.mark.parametrize("spec", ["lookup:4", "taps-lookup"])
+@pytest.mark.parametrize("spec", ["lookup:4", "taps-lookup", "lookup-cost"])
 def test_lookup_policies_batched(models, spec, attention):
     """Rows of a batch, requests joining as rows free up: each request gets its own greedy output, and the
     chains (several tokens per round on these prompts) really were accepted."""
     target, drafter = models
     reqs = repetitive_requests(target, 7, seed=8)
-    policy = taps_lookup() if spec == "taps-lookup" else make_policy(spec)
+    policy = policy_of(spec)
     dec = BatchDecoder(target, policy, drafter=drafter if policy.uses_drafter else None, max_batch=3,
                        attention=attention)
     got = dec.generate_batch([r for r, _ in reqs])
     assert [g.token_ids for g in got] == [ref for _, ref in reqs]
     assert max(r.accept_len for g in got for r in g.stats.rounds) > 2
-    if spec == "taps-lookup":  # the estimate learned from the target's verdicts
-        assert sum(policy.acceptance.success) + sum(policy.acceptance.failure) > 0
+    if spec != "lookup:4":  # the estimate learned from the target's verdicts (it starts at 1 and 2 per length)
+        assert sum(policy.acceptance.success) + sum(policy.acceptance.failure) != 3.0 * 4
 
 
 def test_failed_round_restores_the_history(models, monkeypatch):
@@ -256,3 +264,23 @@ def test_bad_lookup_specs():
         TapsLookupPolicy(8, num_tokens=0)
     with pytest.raises(RuntimeError, match="needs history="):
         make_policy("lookup").build(None, None, torch.tensor([1]))
+
+
+def test_costed_lookup_sizes_the_chain_by_its_measured_rate(models):
+    """A chain the target keeps rejecting shrinks to the root alone (plain ``lookup`` verifies K nodes every
+    round); one it keeps accepting is verified in full."""
+    target, _ = models
+    policy = CostedLookupPolicy(latency=LATENCY)
+    policy.bind(target, None, torch.device("cpu"))
+    history = (torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 6, 7]]), torch.tensor([15]))
+
+    def nodes():
+        return int(policy.build(None, None, torch.tensor([7]), history=history).tree.num_nodes[0])
+
+    assert nodes() == 3  # the prior (1 in 3): two chain nodes pay at 4 ms a node against a 51 ms plain round
+    for _ in range(20):
+        policy.acceptance.record(3, 0, True)
+    assert nodes() == 1
+    for _ in range(40):
+        policy.acceptance.record(3, 9, False)
+    assert nodes() == 1 + 10  # the whole chain: K = 10 of the 12 tokens after the match

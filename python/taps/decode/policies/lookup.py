@@ -10,6 +10,7 @@
   accepts the next chain token after an ``n``-token match (:class:`ChainAcceptance`), so the throughput rule
   keeps chain nodes exactly while they pay for their verify time, like any other node. Rounds where the gate
   skips the drafter still verify the chain (lookup costs no drafter pass).
+* ``lookup-cost[:K]``: the chain alone, no drafter, sized by that same rule (a costed ``lookup``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..latency import get_table
 from ..lookup import DEFAULT_MAX_NGRAM, accepted_prefix, graft_chain, lookup_chain, lookup_only_tree
 from ..tree_ops import root_only_tree
 from .base import NO_TIMER, BuiltTree, PolicyError, TreePolicy, parse_budget, register_policy
@@ -160,6 +162,32 @@ class TapsLookupPolicy(TapsPolicy):
         self._chains.update(aux)
 
 
+class CostedLookupPolicy(TapsLookupPolicy):
+    """The lookup chain alone, no drafter, sized by ``taps-lookup``'s rule: chain node ``k`` is verified while
+    its reach ``q_n ** (k + 1)`` pays for the verify time it adds (the latency table of this machine), so a
+    chain the target keeps rejecting shrinks to the root alone instead of costing ``K`` nodes every round.
+
+    Args:
+        num_tokens: longest chain ``K``.
+        max_ngram: longest suffix matched.
+        latency: optional latency table dict (default: measured/cached for the bound target).
+    """
+
+    uses_drafter = False
+    chain_trees = True
+
+    def __init__(self, num_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM, latency=None):
+        super().__init__(num_tokens, num_tokens=num_tokens, max_ngram=max_ngram, latency=latency, gate=False)
+
+    def max_tree_depth(self, draft_positions: int) -> int:
+        return self.num_tokens
+
+    def bind(self, target_model, drafter, device) -> None:
+        if self.latency is None:
+            self.latency = get_table(target_model, None, n_max=self.max_nodes)
+        self._bind_throughput(self.latency, self.max_nodes)
+
+
 @register_policy("lookup", "prompt lookup without a drafter: the up to K tokens after the latest match of the last "
                            "3/2/1 tokens (default 10)", params="[K]")
 def _make_lookup(arg):
@@ -170,3 +198,9 @@ def _make_lookup(arg):
                                 "N caps nodes per row (default 64)", params="[N]", options=OPTIONS)
 def _make_taps_lookup(arg, **options):
     return TapsLookupPolicy(parse_budget("taps-lookup", arg, DEFAULT_CAP), **options)
+
+
+@register_policy("lookup-cost", "prompt lookup without a drafter, chain nodes kept while their measured acceptance "
+                                "pays for their verify time; K caps the chain (default 10)", params="[K]")
+def _make_costed_lookup(arg):
+    return CostedLookupPolicy(parse_budget("lookup-cost", arg, DEFAULT_LOOKUP_TOKENS))
