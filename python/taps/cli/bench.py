@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from ..decode.stats import SPLIT_HEADER, SPLIT_STAGES
+from ..decode.stats import BUILD_STAGES, SPLIT_HEADER, SPLIT_STAGES
 from .bench_batch import (Progress, add_speedups, batch_row, format_batch_table, latency_note, make_batch_decoder,
                           mark_identical, parse_batch_sizes, rotated, row_from_single, run_batch)
 from .common import (CLIError, add_model_flags, add_sampling_flags, check_prompt_lookup, drafter_dir_cli,
@@ -242,7 +242,7 @@ def _summarize(results):
         s["accept_len_hist"] = _hist([a for r in recs for a in r.get("accept_lens", [])])
         rounds = max(s["rounds"], 1)
         sp = s["time_split_s"]
-        s["selection_overhead_ms_per_round"] = 1000 * sum(sp.get(k, 0.0) for k in ("pool", "scoring", "selection", "lookup")) / rounds
+        s["selection_overhead_ms_per_round"] = 1000 * sum(sp.get(k, 0.0) for k in BUILD_STAGES[1:]) / rounds
         s["stage_ms_per_round"] = {k: 1000 * v / rounds for k, v in sp.items() if k != "prefill"}
         s["per_prompt"] = [{"id": r["id"], "new_tokens": r["new_tokens"], "seconds": r["seconds"], "tau": r.get("tau"),
                             "identical_to_ar": r["identical_to_ar"]} for r in recs]

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
+from ..decode.stats import BUILD_STAGES
+
 
 def load_sweeps(paths) -> List[dict]:
     """The ``batch`` sections of every ``taps bench`` JSON, in file order."""
@@ -28,7 +30,7 @@ def _stages(r) -> str:
     st = (r or {}).get("stage_ms_per_round")
     if not st:
         return "-"
-    build = sum(st.get(k, 0.0) for k in ("draft", "pool", "scoring", "selection"))
+    build = sum(st.get(k, 0.0) for k in BUILD_STAGES)
     return f"{build:.0f} / {st.get('verify', 0.0):.0f}"
 
 

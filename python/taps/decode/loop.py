@@ -45,7 +45,7 @@ from . import kernels
 from .lookup import TokenHistory
 from .policies.base import BuiltTree, TreePolicy
 from .sampling import SamplingConfig, choose_tokens, processed_probs
-from .stats import GenerationStats, RoundStats
+from .stats import BUILD_STAGES, GenerationStats, RoundStats
 from .timing import RoundClock, StageTimer
 from .tree_ops import pad_tree, root_only_tree, slice_tree, truncate_depth  # noqa: F401  (truncate_depth: API)
 from .verifier import TargetVerifier
@@ -354,11 +354,9 @@ class BatchDecoder:
         extra = {}
         if self._history is not None:
             extra["history"] = self._history.rows(state_rows or slice(0, bonus.numel()))
-        if self.drafter is None:
+        if self.drafter is None or (not drafted and extra):  # policies that build trees without a draft
             return self.policy.build(None, None, bonus, depth_cap, timer, rows, **extra)
         if not drafted:
-            if extra:
-                return self.policy.build(None, None, bonus, depth_cap, timer, rows, **extra)
             return BuiltTree(root_only_tree(bonus))
         with timer("draft"):
             logits, hidden = self.drafter.draft(self._state, bonus, self._embed, self._head, rows=state_rows,
@@ -472,7 +470,7 @@ class BatchDecoder:
                 raise ValueError(f"policy {self.policy.name}: tree root of row {b} is not its bonus token")
         times = timer.seconds()
         round_s = RoundClock.seconds(round_end)
-        build_times = {k: v for k, v in times.items() if k in ("draft", "pool", "scoring", "selection", "lookup")}
+        build_times = {k: v for k, v in times.items() if k in BUILD_STAGES}
         verify_times = {k: v for k, v in times.items() if k not in build_times}
         out: Dict[int, RoundStats] = {}
         new_lengths = list(self.verifier.host_lengths)

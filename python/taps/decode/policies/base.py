@@ -121,7 +121,7 @@ class TreePolicy:
     def observe(self, expected: Optional[List[float]], sizes: Optional[List[int]], times: Dict[str, float]) -> None:
         """Host-side feedback after a drafted tree's round was read back: per running row the tree's
         expected tokens and chosen size (None when the policy returned none), and the seconds of the stages
-        that built it (``draft``, ``pool``, ``scoring``, ``selection``)."""
+        that built it (:data:`taps.decode.stats.BUILD_STAGES`)."""
 
     def observe_rows(self, accepted: Dict[int, Optional[List[int]]], aux: Dict[int, List[int]]) -> None:
         """Host-side feedback after every read that carried :attr:`BuiltTree.aux`, per running row index: the
