@@ -6,7 +6,7 @@ One thread. The drafter holds ``--context`` context rows (random target features
 runs ``--reps`` draft passes (after warm-up) and reports the median and minimum wall time and the median
 thread CPU time in ms. Configurations:
 P = 15, 8, 4 projected positions (``draft(num_positions=P)``; at most the drafter's ``block_size - 1``) x full vocabulary / the checkpoint's draft
-vocabulary (``draft_vocab.safetensors``) x fp32 / bf16 head; for the draft vocabulary both output layouts
+vocabulary (``draft_vocab.safetensors``) x fp32 / bf16 / int8 head (``taps_kernels`` Int8Linear); for the draft vocabulary both output layouts
 (full-size logits with -inf outside, and the sub-vocabulary logits). Writes
 ``bench/results/draft_time_cpu.json``.
 """
@@ -49,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "draft_time_cpu.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from taps.models.drafter import cpu_has_native_bf16, load_drafter
+    from taps.models.drafter import cpu_has_native_bf16, fast_head_dtype, load_drafter
     from taps.models.target import load_target
     from taps.paths import portable_path
 
@@ -69,7 +69,7 @@ def main(argv=None):
     rows = []
     for P in positions:
         for vname in ("full", "draft"):
-            for hname, hdt in (("fp32", None), ("bf16", torch.bfloat16)):
+            for hname, hdt in (("fp32", None), ("bf16", torch.bfloat16), ("int8", torch.int8)):
                 layouts = ("full",) if vname == "full" else ("full", "sub")
                 for layout in layouts:
                     drafter.set_draft_vocab(vocab if vname == "draft" else None)
@@ -87,6 +87,7 @@ def main(argv=None):
     from taps_kernels.integrations.rows_linear import restore_linear, use_rows_linear
 
     body_rows = []
+    head_name = {None: "lm_head", torch.bfloat16: "bf16", torch.int8: "int8"}[fast_head_dtype("cpu")]
     for bname in ("fp32", "fp32_rows_linear", "bf16"):
         d = load_drafter(args.drafter, target_config=target.config,
                          dtype=torch.bfloat16 if bname == "bf16" else torch.float32)
@@ -94,7 +95,7 @@ def main(argv=None):
             use_rows_linear(d)
         st = d.new_state(1)
         d.append_context(st, feats)
-        d.head_dtype = torch.bfloat16
+        d.head_dtype = fast_head_dtype("cpu")
         for P in positions:
             for layout, block in (("full", "full"), ("sub", "full"), ("sub", "short")):
                 if block == "short" and P == D:
@@ -103,10 +104,10 @@ def main(argv=None):
                 d.short_blocks = block == "short"
                 med, mn, cpu = _time(lambda: d.draft(st, bonus, embed, head, num_positions=P), args.reps)
                 r = {"body": bname, "positions": P, "vocab": "draft", "vocab_size": int(vocab.numel()),
-                     "head_dtype": "bf16", "logits": layout, "block": block, "median_ms": round(med, 2),
+                     "head_dtype": head_name, "logits": layout, "block": block, "median_ms": round(med, 2),
                      "min_ms": round(mn, 2), "cpu_ms": round(cpu, 2)}
                 body_rows.append(r)
-                print(f"body={bname:16s} P={P:2d} draft vocab, bf16 head, logits={layout:4s} block={block:5s} "
+                print(f"body={bname:16s} P={P:2d} draft vocab, {head_name} head, logits={layout:4s} block={block:5s} "
                       f"median {med:6.2f} ms  min {mn:6.2f} ms  cpu {cpu:6.2f} ms", flush=True)
         d.short_blocks = False
         if bname == "fp32_rows_linear":

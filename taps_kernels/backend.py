@@ -229,6 +229,43 @@ def rows_linear_backend(rows: int, device, dtype: torch.dtype) -> str:
     return resolve("rows_linear", None, device, rows=rows, dtype=dtype)[0]
 
 
+# Dynamic int8 linear layers (taps_kernels.integrations.int8_linear: the drafter's vocabulary head on CPU).
+# Measured on this project's 2-core AVX-512 CPU, one thread, 7 rows x 576 -> 16,386 ids: fbgemm's int8 GEMM
+# 0.37 ms, bf16 2.3 ms, fp32 6.5 ms (bench/results/draft_time_cpu.json has the whole draft pass).
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def int8_linear_backend(device) -> Tuple[str, str]:
+    """``(backend, why)`` of :class:`taps_kernels.integrations.int8_linear.Int8Linear` on ``device``:
+    ``"fbgemm"`` (torch's int8 GEMM with dynamic activation quantisation; x86 CPUs) or ``"reference"``
+    (:func:`taps_kernels.reference.int8_linear_reference`: the same arithmetic in plain torch, slow)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return "reference", f"fbgemm runs on CPU tensors, received tensors on {device}"
+    engines = getattr(torch.backends.quantized, "supported_engines", [])
+    if "fbgemm" not in engines and "x86" not in engines:
+        return "reference", f"this torch build has no fbgemm quantized engine (engines: {list(engines)})"
+    if not hasattr(torch.ops.quantized, "linear_dynamic"):
+        return "reference", "this torch build has no torch.ops.quantized.linear_dynamic"
+    return "fbgemm", "int8 x uint8 GEMM with int32 sums: ~6x a bf16 head on this project's CPU"
+
+
+def int8_reduce_range() -> bool:
+    """Whether int8 activations use 7 bits: without VNNI, fbgemm multiplies uint8 x int8 pairs through
+    16-bit sums that can saturate at 8 bits; VNNI sums in 32 bits."""
+    flags = cpu_flags()
+    return not ("avx512_vnni" in flags or "avx_vnni" in flags)
+
+
 def pool_placement(pool_backend: Optional[str], device, pool_size: int) -> Tuple[str, torch.device]:
     """Where ``candidate_pool`` runs its best-first search: ``(backend, device)``.
 

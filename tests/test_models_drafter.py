@@ -233,7 +233,7 @@ def test_fast_head_dtype_changes_proposals_not_generated_tokens():
     from taps.models.drafter import fast_head_dtype
 
     picked = fast_head_dtype("cpu")
-    assert picked in (None, torch.bfloat16) and fast_head_dtype("meta") is None
+    assert picked in (None, torch.bfloat16, torch.int8) and fast_head_dtype("meta") is None
     target, drafter = tiny_target(0), tiny_drafter(0)
     emb, head = target.get_input_embeddings(), target.get_output_embeddings()
     st = drafter.new_state(1)
@@ -246,7 +246,7 @@ def test_fast_head_dtype_changes_proposals_not_generated_tokens():
     assert (low.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.75
     prompt = [5, 9, 17, 3, 44, 2]
     ref = hf_greedy(target, prompt, 20)
-    for dtype in dict.fromkeys([picked, torch.bfloat16, None]):
+    for dtype in dict.fromkeys([picked, torch.bfloat16, torch.int8, None]):
         drafter.head_dtype = dtype
         dec = SpeculativeDecoder(target, make_policy("ddtree:6"), drafter=drafter)
         assert dec.generate(prompt, 20).token_ids == ref, dtype
@@ -299,7 +299,7 @@ def test_short_blocks_draft_equals_the_training_forward_of_the_short_block():
     assert st.length == 9  # the state is not modified
 
 
-@pytest.mark.parametrize("head_dtype,tol", [(None, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("head_dtype,tol", [(None, 1e-6), (torch.bfloat16, 1e-2), (torch.int8, 5e-2)])
 def test_draft_vocab_logits_are_the_full_logits_restricted(head_dtype, tol):
     """Full-size layout: the draft-vocabulary columns equal the full projection (same dtype, up to the
     rounding of a GEMM of another shape: tolerance relative to the largest logit), every other

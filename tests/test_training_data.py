@@ -236,3 +236,22 @@ def test_extend_prompts_keeps_the_written_ones_in_place(monkeypatch):
     monkeypatch.setattr(prompts_mod, "build_prompts", lambda n, **kw: grown)  # sources that hold 30 prompts
     with pytest.raises(ValueError, match="num_prompts: expected at most 30"):
         extend_prompts(first, 31, seed=4, eval_filter=ef)
+
+
+def test_coverage_report_counts_the_asked_training_shards(tmp_path):
+    """``draft-vocab --max-shard``: training coverage over the shards asked for only, held-out apart."""
+    from taps.training.data import _pack_shard
+    from taps.training.draft_vocab import coverage_report
+
+    gen = LlamaGenerator(tiny_target(2), layer_ids=[1])
+    for s, n in enumerate((4, 5, 6)):
+        res = gen.generate(_prompts(), n, eos_id=-1)
+        torch.save(_pack_shard(res, ["code"] * len(res), list(range(len(res))), [1], torch.float16, 0),
+                   tmp_path / f"shard_{s:05d}.pt")
+    resp = lambda n: n * len(_prompts())  # noqa: E731  (n response tokens per row: eos never comes)
+    ids = torch.arange(61)
+    every = coverage_report(str(tmp_path), ids, 61, holdout=[0])
+    first = coverage_report(str(tmp_path), ids, 61, holdout=[0], shards=[1])
+    assert every["train_tokens"] == resp(5) + resp(6) and first["train_tokens"] == resp(5)
+    assert every["heldout_tokens"] == first["heldout_tokens"] == resp(4)
+    assert first["train_coverage"] == every["heldout_coverage"] == 1.0

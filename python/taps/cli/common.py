@@ -12,6 +12,7 @@ import torch
 
 DEFAULT_DRAFTER = "checkpoints/smollm2-dflash"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEAD_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: the drafter's head only (taps_kernels Int8Linear)
 
 
 class CLIError(Exception):
@@ -35,9 +36,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"DFlash drafter dir (default {DEFAULT_DRAFTER})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(DTYPES),
-                   help="dtype of the drafter's vocabulary projection (auto: bfloat16 on CPUs with native bf16, "
-                        "else the target's; proposals only, outputs are unchanged)")
+    p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(HEAD_DTYPES),
+                   help="dtype of the drafter's vocabulary projection (auto: int8 on CPUs where fbgemm runs, "
+                        "else bfloat16 on CPUs with native bf16, else the target's; proposals only, outputs are "
+                        "unchanged)")
     p.add_argument("--draft-dtype", default="auto", choices=["auto"] + sorted(DTYPES),
                    help="dtype of the drafter's layers (auto: bfloat16 on CPUs with native bf16, else the "
                         "target's; proposals only, outputs are unchanged)")
@@ -156,11 +158,12 @@ def load_drafter_cli(args, target_model):
         except ValueError as e:
             raise CLIError(f"--drafter {p} does not fit --target {args.target}: {_first_line(e)}") from None
     emb = target_model.get_input_embeddings().weight
-    fast = drafter_mod.fast_head_dtype(emb.device)  # what pays for proposals on this device (None: as loaded)
+    # what pays for proposals on this device (None: as loaded); proposals only, never the generated tokens
     body = getattr(args, "draft_dtype", "auto")
-    drafter = drafter.to(device=emb.device, dtype=(fast or emb.dtype) if body == "auto" else DTYPES[body]).eval()
+    body_dtype = (drafter_mod.fast_body_dtype(emb.device) or emb.dtype) if body == "auto" else DTYPES[body]
+    drafter = drafter.to(device=emb.device, dtype=body_dtype).eval()
     choice = getattr(args, "draft_head_dtype", "auto")
-    drafter.head_dtype = fast if choice == "auto" else DTYPES[choice]
+    drafter.head_dtype = drafter_mod.fast_head_dtype(emb.device) if choice == "auto" else HEAD_DTYPES[choice]
     drafter.short_blocks = bool(getattr(args, "short_blocks", False))
     return drafter
 

@@ -48,9 +48,10 @@ def _cmd_draft_vocab(args):
     holdout = _int_list(args.holdout_shards) or []
     drafter = load_drafter(args.drafter)
     V = drafter.config.vocab_size
-    counts = expected_token_counts(args.data, V, exclude=holdout)
+    counted = None if args.max_shard is None else [s for s in range(args.max_shard + 1) if s not in holdout]
+    counts = expected_token_counts(args.data, V, shards=counted, exclude=holdout)
     ids = select_draft_vocab(counts, size=args.size, coverage=args.coverage, always=_int_list(args.always) or [])
-    rep = coverage_report(args.data, ids, V, holdout)
+    rep = coverage_report(args.data, ids, V, holdout, shards=counted)
     drafter.set_draft_vocab(ids)
     from safetensors.torch import save_file
 
@@ -75,7 +76,8 @@ def _cmd_eval(args):
                        max_seqs=args.max_seqs, anchors_per_seq=args.anchors_per_seq, seed=args.seed,
                        out_json=args.out_json, threads=args.threads, use_draft_vocab=args.draft_vocab,
                        dtype=getattr(torch, args.dtype), block_positions=args.block_positions,
-                       short_blocks=args.short_blocks)
+                       short_blocks=args.short_blocks,
+                       head_dtype=None if args.head_dtype == "lm_head" else getattr(torch, args.head_dtype))
     print(json.dumps(res, indent=1))
     return 0
 
@@ -152,6 +154,8 @@ def add_subcommands(subparsers):
     p.add_argument("--coverage", type=float, default=0.99)
     p.add_argument("--always", default="0,1,2", help="comma list of ids always kept (special tokens)")
     p.add_argument("--holdout-shards", default="0", help="shards not counted (coverage is reported on them)")
+    p.add_argument("--max-shard", type=int, default=None,
+                   help="count shards 0..N only (the data the drafter was trained on); default every shard")
     p.add_argument("--out-json", default=None)
     p.set_defaults(func=_cmd_draft_vocab)
 
@@ -168,6 +172,9 @@ def add_subcommands(subparsers):
     p.add_argument("--draft-vocab", action="store_true",
                    help="argmax over the drafter's draft vocabulary (as decoding proposes) instead of the full one")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="drafter body dtype")
+    p.add_argument("--head-dtype", default="lm_head", choices=["lm_head", "float32", "bfloat16", "int8"],
+                   help="vocabulary projection as draft() runs it (int8: the int8 head); lm_head: the target's "
+                        "head in its own dtype")
     p.add_argument("--block-positions", type=int, default=None,
                    help="count block positions 1..P only (what a policy drafting P positions can accept)")
     p.add_argument("--short-blocks", action="store_true",

@@ -269,7 +269,7 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
 
     from taps.cli.common import stop_token_ids
     from taps.data import chat_prompt_ids
-    from taps.models.drafter import fast_head_dtype, load_drafter
+    from taps.models.drafter import fast_body_dtype, fast_head_dtype, load_drafter
     from taps.models.target import load_target
     from taps.paths import portable_path
 
@@ -278,17 +278,18 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_target(target)
-    fast = fast_head_dtype(next(model.parameters()).device)
-    body = (fast or torch.float32) if c.draft_dtype == "auto" else getattr(torch, c.draft_dtype)
+    dev = next(model.parameters()).device
+    body = (fast_body_dtype(dev) or torch.float32) if c.draft_dtype == "auto" else getattr(torch, c.draft_dtype)
     drafter = load_drafter(drafter_dir, dtype=body, target_config=model.config).eval()
-    drafter.head_dtype = fast  # as the CLI decoders draft (taps.cli.common.load_drafter_cli)
+    drafter.head_dtype = fast_head_dtype(dev)  # as the CLI decoders draft (taps.cli.common.load_drafter_cli)
     ident = drafter_identity(drafter_dir)
     meta = {"target": target, "drafter": ident, "pool_size": pool_size, "top_k": top_k, "lattice_k": lattice_k,
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
             "num_prompts": num_prompts, "prompts_per_shard": prompts_per_shard, "decoding": "greedy",
             "num_draft_positions": drafter.config.block_size - 1, "drafter_hidden": drafter.config.hidden_size,
             "exclude_prompts": portable_path(exclude_prompts) if exclude_prompts else None,
-            "chat_fraction": c.chat_fraction, "draft_dtype": str(body).replace("torch.", "")}
+            "chat_fraction": c.chat_fraction, "draft_dtype": str(body).replace("torch.", ""),
+            "draft_head_dtype": str(drafter.head_dtype or "lm_head").replace("torch.", "")}
     meta_p = out / "meta.json"
     if meta_p.exists():
         old = json.loads(meta_p.read_text())

@@ -92,9 +92,11 @@ def vocab_coverage(ids: torch.Tensor, counts: torch.Tensor) -> float:
     return float(counts[ids].sum()) / total if total else 0.0
 
 
-def coverage_report(data_dir: str, ids: torch.Tensor, vocab_size: int, holdout: List[int]) -> dict:
-    """Coverage of ``ids`` on the training shards and, separately, on the held-out shards."""
-    tr = response_token_counts(data_dir, vocab_size, exclude=holdout)
+def coverage_report(data_dir: str, ids: torch.Tensor, vocab_size: int, holdout: List[int],
+                    shards: Optional[Iterable[int]] = None) -> dict:
+    """Coverage of ``ids`` on the training shards (``shards``, default all but ``holdout``) and, separately,
+    on the held-out shards."""
+    tr = response_token_counts(data_dir, vocab_size, shards=shards, exclude=holdout)
     out = {"size": int(ids.numel()), "train_tokens": int(tr.sum()), "train_coverage": round(vocab_coverage(ids, tr), 5)}
     if holdout:
         ho = response_token_counts(data_dir, vocab_size, shards=holdout)

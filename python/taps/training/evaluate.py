@@ -21,7 +21,9 @@ positions can accept); with ``short_blocks`` the block run is ``[x[a], MASK x P]
 
 ``use_draft_vocab``: the argmax runs over the drafter's draft vocabulary (what decoding proposes when
 one is set); default the full vocabulary. ``dtype``: the drafter body's dtype (bf16 measures what a
-bf16 drafter proposes; the LM head stays in its own dtype).
+bf16 drafter proposes). ``head_dtype``: the vocabulary projection as :meth:`draft` runs it with that
+:attr:`~taps.models.drafter.DFlashDrafter.head_dtype` (``torch.int8``: the int8 head); default the LM
+head in its own dtype.
 """
 from __future__ import annotations
 
@@ -43,9 +45,8 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
                  max_seqs: int = 96, anchors_per_seq: int = 16, seed: int = 1234, batch_size: int = 4,
                  out_json: Optional[str] = None, threads: Optional[int] = None, drafter=None, tmodel=None,
                  use_draft_vocab: bool = False, dtype: torch.dtype = torch.float32,
-                 block_positions: Optional[int] = None, short_blocks: bool = False):
-    from tqdm import tqdm
-
+                 block_positions: Optional[int] = None, short_blocks: bool = False,
+                 head_dtype: Optional[torch.dtype] = None):
     from taps.models.target import load_target
 
     if threads:
@@ -57,7 +58,24 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
         drafter = load_drafter(drafter_dir, target_config=tmodel.config, dtype=dtype)
     else:
         check_compatible(drafter.config, tmodel.config)
+    if use_draft_vocab and drafter.draft_vocab is None:
+        raise ValueError("use_draft_vocab: the drafter has no draft vocabulary")
     drafter.eval()
+    saved_head = drafter.head_dtype, drafter.draft_vocab
+    drafter.head_dtype = head_dtype
+    if not use_draft_vocab:
+        drafter.draft_vocab = None  # the full vocabulary, not the config's reduced one
+    try:
+        return _eval(drafter, drafter_dir, data, tmodel, shards, max_seqs, anchors_per_seq, seed, batch_size,
+                     out_json, use_draft_vocab, block_positions, short_blocks)
+    finally:
+        drafter.head_dtype, drafter.draft_vocab = saved_head
+
+
+def _eval(drafter, drafter_dir, data, tmodel, shards, max_seqs, anchors_per_seq, seed, batch_size, out_json,
+          use_draft_vocab, block_positions, short_blocks):
+    from tqdm import tqdm
+
     embed, head = tmodel.get_input_embeddings(), tmodel.get_output_embeddings()
     ds = ShardData(data, only=shards)
     prompts = []
@@ -86,11 +104,9 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
         if short_blocks:
             blocks = blocks[:, :, :D + 1]
         h = drafter.forward_blocks(feats, blocks, anchors, embed)[:, :, 1:D + 1]
-        if use_draft_vocab:
-            if drafter.draft_vocab is None:
-                raise ValueError("use_draft_vocab: the drafter has no draft vocabulary")
-            ids = drafter.draft_vocab
-            pred = ids[torch.nn.functional.linear(h.to(head.weight.dtype), head.weight[ids]).argmax(-1)]
+        if use_draft_vocab or head_dtype is not None:
+            # the projection draft() runs: its head dtype, over the draft vocabulary (-inf outside it)
+            pred = drafter._vocab_logits(h, head, full_vocab=True).argmax(-1)
         else:
             pred = head(h.to(head.weight.dtype)).argmax(-1)  # [B,M,D]
         valid = labels >= 0
@@ -119,6 +135,7 @@ def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: O
         "family_tau": {},
         "draft_vocab": bool(use_draft_vocab),
         "dtype": str(drafter.fc.weight.dtype).replace("torch.", ""),
+        "head_dtype": str(drafter.head_dtype or head.weight.dtype).replace("torch.", ""),
         "block_positions": D, "short_blocks": bool(short_blocks),
         "seconds": round(time.time() - t0, 1),
     }
