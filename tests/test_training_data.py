@@ -255,3 +255,35 @@ def test_coverage_report_counts_the_asked_training_shards(tmp_path):
     assert every["train_tokens"] == resp(5) + resp(6) and first["train_tokens"] == resp(5)
     assert every["heldout_tokens"] == first["heldout_tokens"] == resp(4)
     assert first["train_coverage"] == every["heldout_coverage"] == 1.0
+
+
+def test_eval_drafter_heads_and_vocabulary(tmp_path):
+    """eval-drafter: the LM head by default; ``head_dtype`` runs draft()'s own projection (float32 gives the LM
+    head's argmax exactly), int8 and a draft vocabulary as decoding drafts; the drafter's head dtype and draft
+    vocabulary are put back afterwards."""
+    import json
+
+    from taps.training.data import _pack_shard
+    from taps.training.evaluate import eval_drafter
+
+    target = tiny_target(2)
+    res = LlamaGenerator(target, layer_ids=[0, 1]).generate(_prompts(), 12, eos_id=-1)
+    torch.save(_pack_shard(res, ["code", "chat", "chat", "write"], [0, 1, 2, 3], [0, 1], torch.float16, 0),
+               tmp_path / "shard_00000.pt")
+    (tmp_path / "meta.json").write_text(json.dumps({"layer_ids": [0, 1]}))
+    drafter = tiny_drafter(0)
+    vocab = torch.arange(0, drafter.config.vocab_size, 2)
+    drafter.set_draft_vocab(vocab)
+    drafter.head_dtype = torch.bfloat16
+
+    def run(**kw):
+        return eval_drafter("drafter", str(tmp_path), drafter=drafter, tmodel=target, **kw)
+
+    base = run()
+    assert base["blocks"] > 0 and base["head_dtype"] == "float32" and not base["draft_vocab"]
+    same = run(head_dtype=torch.float32)
+    assert (same["tau"], same["pos_acc"]) == (base["tau"], base["pos_acc"])
+    for kw in ({"head_dtype": torch.int8}, {"head_dtype": torch.int8, "use_draft_vocab": True}):
+        r = run(**kw)
+        assert r["head_dtype"] == "int8" and r["blocks"] == base["blocks"] and r["tau"] >= 1.0
+    assert drafter.head_dtype == torch.bfloat16 and torch.equal(drafter.draft_vocab, vocab)

@@ -104,7 +104,7 @@ def _eval(drafter, drafter_dir, data, tmodel, shards, max_seqs, anchors_per_seq,
         if short_blocks:
             blocks = blocks[:, :, :D + 1]
         h = drafter.forward_blocks(feats, blocks, anchors, embed)[:, :, 1:D + 1]
-        if use_draft_vocab or head_dtype is not None:
+        if use_draft_vocab or drafter.head_dtype is not None:
             # the projection draft() runs: its head dtype, over the draft vocabulary (-inf outside it)
             pred = drafter._vocab_logits(h, head, full_vocab=True).argmax(-1)
         else:
