@@ -17,6 +17,7 @@ for every op that has that backend and can run the call. Implementations registe
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
@@ -232,6 +233,7 @@ def rows_linear_backend(rows: int, device, dtype: torch.dtype) -> str:
 # Dynamic int8 linear layers (taps_kernels.integrations.int8_linear: the drafter's vocabulary head on CPU).
 # Measured on this project's 2-core AVX-512 CPU, one thread, 7 rows x 576 -> 16,386 ids: fbgemm's int8 GEMM
 # 0.37 ms, bf16 2.3 ms, fp32 6.5 ms (bench/results/draft_time_cpu.json has the whole draft pass).
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset:
     """The CPU's feature flags (Linux ``/proc/cpuinfo``); empty where they cannot be read."""
     try:
