@@ -253,6 +253,12 @@ def int8_linear_backend(device) -> Tuple[str, str]:
     device = torch.device(device)
     if device.type != "cpu":
         return "reference", f"fbgemm runs on CPU tensors, received tensors on {device}"
+    return _cpu_int8_linear_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_int8_linear_backend() -> Tuple[str, str]:
+    # asked on every draft's head projection: what the torch build offers cannot change within a process
     engines = getattr(torch.backends.quantized, "supported_engines", [])
     if "fbgemm" not in engines and "x86" not in engines:
         return "reference", f"this torch build has no fbgemm quantized engine (engines: {list(engines)})"
