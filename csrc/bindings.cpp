@@ -22,7 +22,9 @@
 #include <string>
 #include <vector>
 
+#include "gguf_bindings.h"
 #include "rows_linear.h"
+#include "torch_checks.h"
 #include "score_edges.h"
 #include "tree_ops.h"
 
@@ -30,60 +32,9 @@ namespace py = pybind11;
 
 namespace {
 
-std::string dtype_name(at::ScalarType t) {
-  std::string s = c10::toString(t);
-  // c10 spells dtypes "Float", "Long", ...; the Python side says float32, int64: use torch's Python names.
-  if (s == "Float") return "float32";
-  if (s == "Double") return "float64";
-  if (s == "Half") return "float16";
-  if (s == "BFloat16") return "bfloat16";
-  if (s == "Long") return "int64";
-  if (s == "Int") return "int32";
-  if (s == "Short") return "int16";
-  if (s == "Char") return "int8";
-  if (s == "Byte") return "uint8";
-  if (s == "Bool") return "bool";
-  return s;
-}
-
-std::string shape_str(at::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
-  if (sizes.size() == 1) os << ",";
-  os << ")";
-  return os.str();
-}
-
-// Checks a CPU tensor's dtype and rank (and sizes where given, -1 = any); raises TypeError / ValueError.
-void check_arg(const at::Tensor& t, const std::string& name, std::initializer_list<at::ScalarType> dtypes,
-               std::vector<int64_t> sizes) {
-  if (!t.defined()) throw py::type_error(name + ": expected a torch.Tensor, received None");
-  bool ok = false;
-  std::string want;
-  for (auto d : dtypes) {
-    ok = ok || t.scalar_type() == d;
-    want += (want.empty() ? "" : " or ") + dtype_name(d);
-  }
-  if (!ok) throw py::type_error(name + ": expected dtype " + want + ", received " + dtype_name(t.scalar_type()));
-  if (!t.device().is_cpu()) {
-    throw py::value_error(name + ": the C++ backend needs a CPU tensor, received one on " + t.device().str());
-  }
-  if (t.dim() != static_cast<int64_t>(sizes.size())) {
-    throw py::value_error(name + ": expected a " + std::to_string(sizes.size()) + "-D tensor, received shape " +
-                          shape_str(t.sizes()));
-  }
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] >= 0 && t.size(static_cast<int64_t>(i)) != sizes[i]) {
-      std::string pretty = "(";
-      for (size_t k = 0; k < sizes.size(); ++k) {
-        pretty += (k ? ", " : "") + (sizes[k] >= 0 ? std::to_string(sizes[k]) : std::string("*"));
-      }
-      pretty += sizes.size() == 1 ? ",)" : ")";
-      throw py::value_error(name + ": expected shape " + pretty + ", received " + shape_str(t.sizes()));
-    }
-  }
-}
+using taps_bind::check_arg;
+using taps_bind::dtype_name;
+using taps_bind::shape_str;
 
 int32_t check_count(const std::string& name, int64_t value, int64_t minimum) {
   if (value < minimum || value > std::numeric_limits<int32_t>::max() - 1) {
@@ -948,4 +899,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("validate_tree", &validate_tree,
         "-> [fault kind (0 ok, see tree_ops.h TreeFault), b, i] of the first structural violation; vocab_size < 0 skips tokens",
         py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("vocab_size") = -1);
+  taps_bind::register_gguf(m);
 }

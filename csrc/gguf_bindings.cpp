@@ -1,0 +1,297 @@
+// taps_kernels._C: the GGUF block kernels and the decoder forward on CPU tensors.
+//
+// Checks here are the memory-safety ones (dtype, shape, contiguity, sizes the kernels index with); errors
+// name the argument, the expectation and what arrived. Work is split over torch's intra-op threads by output
+// groups / rows, which changes no bit (gguf_linear.h).
+#include "gguf_bindings.h"
+
+#include <ATen/Parallel.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gguf_forward.h"
+#include "gguf_linear.h"
+#include "torch_checks.h"
+
+namespace py = pybind11;
+using taps::gguf::BlockType;
+
+namespace taps_bind {
+
+namespace {
+
+BlockType block_type(int64_t t, const std::string& name) {
+  if (t == static_cast<int64_t>(BlockType::Q4_1)) return BlockType::Q4_1;
+  if (t == static_cast<int64_t>(BlockType::Q8_0)) return BlockType::Q8_0;
+  throw py::value_error(name + ": GGML type " + std::to_string(t) +
+                        " is not supported; expected Q4_1 (3) or Q8_0 (8)");
+}
+
+int64_t check_cols(int64_t K, const std::string& name) {
+  if (K <= 0 || K % taps::gguf::kBlock != 0) {
+    throw py::value_error(name + ": expected a positive multiple of 32 input columns (whole GGUF blocks), received " +
+                          std::to_string(K));
+  }
+  return K;
+}
+
+void check_contiguous(const at::Tensor& t, const std::string& name) {
+  if (!t.is_contiguous()) throw py::value_error(name + ": expected a contiguous tensor (rows of whole blocks)");
+}
+
+const taps::gguf::ParallelFor& torch_parallel() {
+  static const taps::gguf::ParallelFor pf = [](int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+    if (n <= 0) return;
+    at::parallel_for(0, n, 1, fn);
+  };
+  return pf;
+}
+
+// raw [N, K/32 * block_bytes] uint8 (GGUF rows as stored) -> packed uint8 [packed_bytes]
+at::Tensor gguf_pack(const at::Tensor& raw, int64_t type, int64_t K, const std::string& name) {
+  const BlockType t = block_type(type, name);
+  check_cols(K, name);
+  const int64_t row_bytes = K / taps::gguf::kBlock * taps::gguf::block_bytes(t);
+  check_arg(raw, name, {at::kByte}, {-1, row_bytes});
+  check_contiguous(raw, name);
+  const int64_t N = raw.size(0);
+  at::Tensor out = at::empty({taps::gguf::packed_bytes(t, N, K)}, raw.options());
+  taps::gguf::pack_blocks(t, raw.data_ptr<uint8_t>(), N, K, out.data_ptr<uint8_t>());
+  return out;
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, const std::string& name) {
+  const BlockType t = block_type(type, name);
+  check_cols(K, name);
+  const int64_t row_bytes = K / taps::gguf::kBlock * taps::gguf::block_bytes(t);
+  check_arg(raw, name, {at::kByte}, {-1, row_bytes});
+  check_contiguous(raw, name);
+  at::Tensor out = at::empty({raw.size(0), K}, raw.options().dtype(at::kFloat));
+  taps::gguf::dequantize_blocks(t, raw.data_ptr<uint8_t>(), raw.size(0), K, out.data_ptr<float>());
+  return out;
+}
+
+std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in) {
+  check_arg(x_in, "x", {at::kFloat}, {-1, -1});
+  const int64_t M = x_in.size(0), K = check_cols(x_in.size(1), "x");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({M, K / 32}, x.options());
+  at::Tensor asum = at::empty({M, K / 32}, x.options().dtype(at::kInt));
+  taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                   asum.data_ptr<int32_t>());
+  return {a, scale, asum};
+}
+
+// x [M, K] f32 . packed [N, K]^T -> y [M, N] f32; path "auto" (VNNI where the CPU has it), "vnni", "scalar".
+at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t type, int64_t N, int64_t K,
+                       const std::string& path) {
+  const BlockType t = block_type(type, "weight");
+  check_cols(K, "weight");
+  check_arg(x_in, "x", {at::kFloat}, {-1, K});
+  if (N <= 0) throw py::value_error("weight: expected at least one output row, received " + std::to_string(N));
+  check_arg(packed, "weight", {at::kByte}, {taps::gguf::packed_bytes(t, N, K)});
+  check_contiguous(packed, "weight");
+  if (path != "auto" && path != "vnni" && path != "scalar") {
+    throw py::value_error("path: expected 'auto', 'vnni' or 'scalar', received '" + path + "'");
+  }
+  if (path == "vnni" && !taps::gguf::vnni_available()) {
+    throw py::value_error("path: 'vnni' asked, but this CPU lacks AVX-512 VNNI");
+  }
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), KB = K / 32;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  std::vector<int8_t> a(M * K);
+  std::vector<float> scale(M * KB);
+  std::vector<int32_t> asum(M * KB);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  py::gil_scoped_release no_gil;
+  taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data());
+  const int64_t groups = (N + taps::gguf::kGroupRows - 1) / taps::gguf::kGroupRows;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    if (path == "scalar") {
+      taps::gguf::packed_linear_scalar(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1);
+    } else {
+      taps::gguf::packed_linear(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1);
+    }
+  });
+  return y;
+}
+
+// A packed matrix handed over from Python: (packed uint8 tensor, GGML type, N, K).
+taps::gguf::PackedMatrix matrix(const py::tuple& m, const std::string& name, std::vector<at::Tensor>& keep) {
+  if (m.size() != 4) throw py::value_error(name + ": expected (packed, type, rows, cols)");
+  at::Tensor data = m[0].cast<at::Tensor>();
+  taps::gguf::PackedMatrix out;
+  out.type = block_type(m[1].cast<int64_t>(), name);
+  out.rows = m[2].cast<int64_t>();
+  out.cols = check_cols(m[3].cast<int64_t>(), name);
+  check_arg(data, name, {at::kByte}, {taps::gguf::packed_bytes(out.type, out.rows, out.cols)});
+  check_contiguous(data, name);
+  out.data = data.data_ptr<uint8_t>();
+  keep.push_back(data);
+  return out;
+}
+
+const float* vector_arg(const py::object& o, const std::string& name, int64_t n, std::vector<at::Tensor>& keep) {
+  if (o.is_none()) return nullptr;
+  at::Tensor t = o.cast<at::Tensor>();
+  check_arg(t, name, {at::kFloat}, {n});
+  t = t.contiguous();
+  keep.push_back(t);
+  return t.data_ptr<float>();
+}
+
+class GGUFModel {
+ public:
+  // config: hidden, heads, kv_heads, head_dim, ffn, vocab, rms_eps, rope_base; layers: one dict per layer with
+  // attn_norm, ffn_norm, q_norm/k_norm (or None) and q, k, v, o, gate, up, down as packed-matrix tuples.
+  GGUFModel(const py::dict& config, const py::list& layers, const py::tuple& embed, const at::Tensor& final_norm,
+            const py::tuple& head) {
+    w_.hidden = config["hidden"].cast<int64_t>();
+    w_.heads = config["heads"].cast<int64_t>();
+    w_.kv_heads = config["kv_heads"].cast<int64_t>();
+    w_.head_dim = config["head_dim"].cast<int64_t>();
+    w_.ffn = config["ffn"].cast<int64_t>();
+    w_.vocab = config["vocab"].cast<int64_t>();
+    w_.rms_eps = config["rms_eps"].cast<float>();
+    w_.rope_base = config["rope_base"].cast<double>();
+    const int64_t H = w_.hidden, QD = w_.heads * w_.head_dim, KD = w_.kv_heads * w_.head_dim;
+    auto expect = [&](const taps::gguf::PackedMatrix& m, int64_t n, int64_t k, const std::string& name) {
+      if (m.rows != n || m.cols != k) {
+        throw py::value_error(name + ": expected [" + std::to_string(n) + ", " + std::to_string(k) + "], received [" +
+                              std::to_string(m.rows) + ", " + std::to_string(m.cols) + "]");
+      }
+      return m;
+    };
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const py::dict d = layers[l].cast<py::dict>();
+      const std::string p = "layers[" + std::to_string(l) + "].";
+      taps::gguf::LayerWeights lw;
+      lw.attn_norm = vector_arg(d["attn_norm"], p + "attn_norm", H, keep_);
+      lw.ffn_norm = vector_arg(d["ffn_norm"], p + "ffn_norm", H, keep_);
+      lw.q_norm = vector_arg(d["q_norm"], p + "q_norm", w_.head_dim, keep_);
+      lw.k_norm = vector_arg(d["k_norm"], p + "k_norm", w_.head_dim, keep_);
+      lw.q = expect(matrix(d["q"].cast<py::tuple>(), p + "q", keep_), QD, H, p + "q");
+      lw.k = expect(matrix(d["k"].cast<py::tuple>(), p + "k", keep_), KD, H, p + "k");
+      lw.v = expect(matrix(d["v"].cast<py::tuple>(), p + "v", keep_), KD, H, p + "v");
+      lw.o = expect(matrix(d["o"].cast<py::tuple>(), p + "o", keep_), H, QD, p + "o");
+      lw.gate = expect(matrix(d["gate"].cast<py::tuple>(), p + "gate", keep_), w_.ffn, H, p + "gate");
+      lw.up = expect(matrix(d["up"].cast<py::tuple>(), p + "up", keep_), w_.ffn, H, p + "up");
+      lw.down = expect(matrix(d["down"].cast<py::tuple>(), p + "down", keep_), H, w_.ffn, p + "down");
+      w_.layers.push_back(lw);
+    }
+    w_.embed = expect(matrix(embed, "embed", keep_), w_.vocab, H, "embed");
+    w_.final_norm = vector_arg(py::cast(final_norm), "final_norm", H, keep_);
+    w_.head = expect(matrix(head, "head", keep_), w_.vocab, H, "head");
+  }
+
+  // tokens/positions [B, N] i64, prefix_lens/cache_rows [B] i64, bits [B, N, W] i32, keys/values: one
+  // [R, kv_heads, capacity, head_dim] f32 per layer (written in place at prefix + j), feature_layers [F] i64,
+  // logit_rows [n] i64 -> (logits [n, vocab] f32, features [B, N, F * hidden] f32)
+  std::vector<at::Tensor> forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& prefix_lens,
+                                  const at::Tensor& cache_rows, const at::Tensor& bits, const std::vector<at::Tensor>& keys,
+                                  const std::vector<at::Tensor>& values, const at::Tensor& feature_layers,
+                                  const at::Tensor& logit_rows) {
+    check_arg(tokens, "tokens", {at::kLong}, {-1, -1});
+    const int64_t B = tokens.size(0), N = tokens.size(1);
+    check_arg(positions, "position_ids", {at::kLong}, {B, N});
+    check_arg(prefix_lens, "prefix_lens", {at::kLong}, {B});
+    check_arg(cache_rows, "cache_rows", {at::kLong}, {B});
+    check_arg(bits, "ancestor_bits", {at::kInt}, {B, N, (N + 31) / 32});
+    check_arg(feature_layers, "feature_layers", {at::kLong}, {-1});
+    check_arg(logit_rows, "logit_rows", {at::kLong}, {-1});
+    const int64_t L = static_cast<int64_t>(w_.layers.size());
+    if (static_cast<int64_t>(keys.size()) != L || static_cast<int64_t>(values.size()) != L) {
+      throw py::value_error("keys/values: expected one cache tensor per layer (" + std::to_string(L) + "), received " +
+                            std::to_string(keys.size()) + " / " + std::to_string(values.size()));
+    }
+    std::vector<float*> kp(L), vp(L);
+    int64_t R = 0, cap = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      const std::string kn = "keys[" + std::to_string(l) + "]", vn = "values[" + std::to_string(l) + "]";
+      if (l == 0) {
+        check_arg(keys[0], kn, {at::kFloat}, {-1, w_.kv_heads, -1, w_.head_dim});
+        R = keys[0].size(0), cap = keys[0].size(2);
+      }
+      check_arg(keys[l], kn, {at::kFloat}, {R, w_.kv_heads, cap, w_.head_dim});
+      check_arg(values[l], vn, {at::kFloat}, {R, w_.kv_heads, cap, w_.head_dim});
+      check_contiguous(keys[l], kn);
+      check_contiguous(values[l], vn);
+      kp[l] = keys[l].data_ptr<float>();
+      vp[l] = values[l].data_ptr<float>();
+    }
+    const at::Tensor tok = tokens.contiguous(), pos = positions.contiguous(), pre = prefix_lens.contiguous(),
+                     rows = cache_rows.contiguous(), bt = bits.contiguous(), fl = feature_layers.contiguous(),
+                     lr = logit_rows.contiguous();
+    const int64_t* flp = fl.data_ptr<int64_t>();
+    for (int64_t s = 0; s < fl.numel(); ++s) {
+      if (flp[s] < 0 || flp[s] >= L) {
+        throw py::value_error("feature_layers[" + std::to_string(s) + "]: expected a layer id in [0, " +
+                              std::to_string(L) + "), received " + std::to_string(flp[s]));
+      }
+    }
+    at::Tensor logits = at::empty({lr.numel(), w_.vocab}, tokens.options().dtype(at::kFloat));
+    at::Tensor feats = at::empty({B, N, fl.numel() * w_.hidden}, tokens.options().dtype(at::kFloat));
+    taps::gguf::ForwardBatch f;
+    f.B = B, f.N = N;
+    f.tokens = tok.data_ptr<int64_t>(), f.positions = pos.data_ptr<int64_t>();
+    f.prefix_lens = pre.data_ptr<int64_t>(), f.cache_rows = rows.data_ptr<int64_t>();
+    f.bits = bt.data_ptr<int32_t>(), f.words = (N + 31) / 32;
+    f.keys = kp.data(), f.values = vp.data(), f.cache_batch = R, f.capacity = cap;
+    f.feature_layers = flp, f.n_features = fl.numel(), f.features = feats.data_ptr<float>();
+    f.logit_rows = lr.data_ptr<int64_t>(), f.n_logit_rows = lr.numel(), f.logits = logits.data_ptr<float>();
+    try {
+      py::gil_scoped_release no_gil;
+      taps::gguf::forward(w_, f, torch_parallel());
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(e.what());
+    }
+    return {logits, feats};
+  }
+
+  // Exact float32 rows of the embedding: ids [n] i64 -> [n, hidden].
+  at::Tensor embed_rows(const at::Tensor& ids_in) const {
+    check_arg(ids_in, "ids", {at::kLong}, {-1});
+    const at::Tensor ids = ids_in.contiguous();
+    const int64_t* p = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); ++i) {
+      if (p[i] < 0 || p[i] >= w_.vocab) throw py::value_error("ids: token " + std::to_string(p[i]) + " outside the vocabulary");
+    }
+    at::Tensor out = at::empty({ids.numel(), w_.hidden}, ids.options().dtype(at::kFloat));
+    taps::gguf::dequantize_packed_rows(w_.embed, p, ids.numel(), out.data_ptr<float>());
+    return out;
+  }
+
+ private:
+  taps::gguf::ModelWeights w_;
+  std::vector<at::Tensor> keep_;
+};
+
+}  // namespace
+
+void register_gguf(py::module& m) {
+  m.def("gguf_pack", &gguf_pack, "raw GGUF rows [N, K/32*block_bytes] u8, GGML type, K -> packed u8 (gguf_linear.h)",
+        py::arg("raw"), py::arg("type"), py::arg("cols"), py::arg("name") = "weight");
+  m.def("gguf_dequantize", &gguf_dequantize, "raw GGUF rows [N, K/32*block_bytes] u8, GGML type, K -> [N, K] f32",
+        py::arg("raw"), py::arg("type"), py::arg("cols"), py::arg("name") = "weight");
+  m.def("gguf_quantize_activations", &gguf_quantize_activations,
+        "x [M, K] f32 -> [a [M, K] i8, scale [M, K/32] f32, asum [M, K/32] i32]", py::arg("x"));
+  m.def("gguf_linear", &gguf_linear, "x [M, K] f32, packed weight, GGML type, N, K, path -> [M, N] f32",
+        py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("path") = "auto");
+  m.def("gguf_vnni_available", &taps::gguf::vnni_available, "whether gguf_linear runs its AVX-512 VNNI path here");
+  m.def("gguf_forward_available", &taps::gguf::forward_available, "whether the GGUF forward runs here (AVX-512F)");
+  py::class_<GGUFModel>(m, "GGUFModel")
+      .def(py::init<const py::dict&, const py::list&, const py::tuple&, const at::Tensor&, const py::tuple&>(),
+           py::arg("config"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("head"))
+      .def("forward", &GGUFModel::forward, py::arg("tokens"), py::arg("position_ids"), py::arg("prefix_lens"),
+           py::arg("cache_rows"), py::arg("ancestor_bits"), py::arg("keys"), py::arg("values"),
+           py::arg("feature_layers"), py::arg("logit_rows"))
+      .def("embed_rows", &GGUFModel::embed_rows, py::arg("ids"));
+}
+
+}  // namespace taps_bind

@@ -1,0 +1,86 @@
+// The target's decode / verify forward over GGUF blocks (Llama and Qwen3 decoder layers), on raw host
+// pointers, no torch: embedding, RMSNorm, RoPE, GQA attention over a preallocated cache with a tree's
+// visibility, SwiGLU, the final norm and the head, in one call (no per-op dispatch).
+//
+// Rows are independent by construction: every float a row's outputs depend on is computed by the same
+// sequence of operations whatever the other rows are, how many there are, where the row sits in the call
+// and how work is split over threads. The linear layers follow gguf_linear.h. Attention of query row i sees
+// its visible keys in cache order (the row's committed prefix, then its tree ancestors in node order, then
+// itself) and reduces over that sequence only: scores in tiles of 16 consecutive visible keys, the softmax
+// max / sum and the value sum in that order. So a tree node's row equals the same token's row in plain
+// decoding (its path committed, the node decoded alone) bit for bit, and a prefill leaves the same cache as
+// decoding the prompt one token at a time.
+//
+// Needs AVX-512F (exp, reductions); gguf::packed_linear picks VNNI or its plain loops by itself.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "gguf_linear.h"
+
+namespace taps {
+namespace gguf {
+
+struct PackedMatrix {
+  BlockType type = BlockType::Q4_1;
+  const uint8_t* data = nullptr;  // packed layout of gguf_linear.h
+  int64_t rows = 0, cols = 0;     // N (outputs), K (inputs)
+};
+
+struct LayerWeights {
+  const float* attn_norm = nullptr;  // [hidden]
+  const float* q_norm = nullptr;     // [head_dim] or null (Qwen3 normalises q and k per head)
+  const float* k_norm = nullptr;
+  const float* ffn_norm = nullptr;   // [hidden]
+  PackedMatrix q, k, v, o, gate, up, down;
+};
+
+struct ModelWeights {
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, ffn = 0, vocab = 0;
+  float rms_eps = 1e-5f;
+  double rope_base = 10000.0;
+  std::vector<LayerWeights> layers;
+  PackedMatrix embed;              // [vocab, hidden], Q8_0 or Q4_1 (rows are dequantised for the lookup)
+  const float* final_norm = nullptr;
+  PackedMatrix head;               // [vocab, hidden] (the embedding again when tied)
+};
+
+// One forward over B rows of N new tokens each (M = B * N query rows, row index b * N + j).
+struct ForwardBatch {
+  int64_t B = 0, N = 0;
+  const int64_t* tokens = nullptr;       // [B, N]
+  const int64_t* positions = nullptr;    // [B, N] RoPE positions
+  const int64_t* prefix_lens = nullptr;  // [B] committed keys of each row; node j is written at prefix + j
+  const int64_t* cache_rows = nullptr;   // [B] cache row each batch row reads and writes
+  const int32_t* bits = nullptr;         // [B, N, words]: bit j%32 of word j/32 = node j visible (self included)
+  int64_t words = 0;
+  // cache: one K and one V buffer per layer, float [cache_batch, kv_heads, capacity, head_dim]
+  float* const* keys = nullptr;
+  float* const* values = nullptr;
+  int64_t cache_batch = 0, capacity = 0;
+  // outputs: hidden states after the listed layers ([M, n_features * hidden]; an id equal to the last layer
+  // gives the final-normed state, as transformers' hidden_states[-1]) and logits of the listed rows
+  const int64_t* feature_layers = nullptr;
+  int64_t n_features = 0;
+  float* features = nullptr;
+  const int64_t* logit_rows = nullptr;   // [n_logit_rows] query rows whose logits are computed
+  int64_t n_logit_rows = 0;
+  float* logits = nullptr;               // [n_logit_rows, vocab]
+};
+
+// Runs fn(begin, end) over [0, n) split into chunks (the caller's thread pool; chunking changes no bit).
+using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& fn)>;
+
+// Whether this CPU can run the forward (AVX-512F).
+bool forward_available();
+
+// Throws std::invalid_argument on inconsistent sizes (the bindings check tensors before calling).
+void forward(const ModelWeights& w, const ForwardBatch& batch, const ParallelFor& parallel);
+
+// Dequantised rows of a packed matrix: out[i, :] = row ids[i] (exact float32 weights).
+void dequantize_packed_rows(const PackedMatrix& m, const int64_t* ids, int64_t n, float* out);
+
+}  // namespace gguf
+}  // namespace taps

@@ -1,0 +1,291 @@
+// Few-row linear layer over GGUF blocks (see gguf_linear.h for the numerics and the packed layout).
+#include "gguf_linear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#define TAPS_HAVE_VNNI_PATH 1
+#endif
+
+namespace taps {
+namespace gguf {
+
+namespace {
+
+constexpr int64_t kQ41Bytes = 20;   // fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t kQ80Bytes = 34;   // fp16 d, 32 int8
+constexpr int64_t kQ41Record = 320;
+constexpr int64_t kQ80Record = 544;
+
+// IEEE half -> float (exact; every half is a float).
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal half: normalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400u) == 0);
+      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3FFu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+}  // namespace
+
+int64_t block_bytes(BlockType t) { return t == BlockType::Q4_1 ? kQ41Bytes : kQ80Bytes; }
+int64_t record_bytes(BlockType t) { return t == BlockType::Q4_1 ? kQ41Record : kQ80Record; }
+
+int64_t packed_bytes(BlockType t, int64_t N, int64_t K) {
+  return (N + kGroupRows - 1) / kGroupRows * (K / kBlock) * record_bytes(t);
+}
+
+void pack_blocks(BlockType t, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+  const int64_t KB = K / kBlock, G = (N + kGroupRows - 1) / kGroupRows, rec = record_bytes(t);
+  std::memset(dst, 0, static_cast<size_t>(packed_bytes(t, N, K)));
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      uint8_t* out = dst + (g * KB + kb) * rec;
+      for (int64_t r = 0; r < kGroupRows && g * kGroupRows + r < N; ++r) {
+        const uint8_t* blk = src + ((g * kGroupRows + r) * KB + kb) * block_bytes(t);
+        if (t == BlockType::Q4_1) {
+          for (int j = 0; j < 4; ++j) std::memcpy(out + 64 * j + 4 * r, blk + 4 + 4 * j, 4);
+          std::memcpy(out + 256 + 2 * r, blk, 2);      // d
+          std::memcpy(out + 288 + 2 * r, blk + 2, 2);  // m
+        } else {
+          for (int q = 0; q < 8; ++q) {
+            for (int b = 0; b < 4; ++b) {
+              out[64 * q + 4 * r + b] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + 4 * q + b]) + 128);
+            }
+          }
+          std::memcpy(out + 512 + 2 * r, blk, 2);  // d
+        }
+      }
+    }
+  }
+}
+
+void dequantize_blocks(BlockType t, const uint8_t* src, int64_t N, int64_t K, float* dst) {
+  const int64_t KB = K / kBlock;
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* blk = src + (n * KB + kb) * block_bytes(t);
+      float* out = dst + n * K + kb * kBlock;
+      const float d = half_to_float(load_u16(blk));
+      if (t == BlockType::Q4_1) {
+        const float m = half_to_float(load_u16(blk + 2));
+        for (int e = 0; e < 16; ++e) {
+          out[e] = static_cast<float>(blk[4 + e] & 0xF) * d + m;
+          out[e + 16] = static_cast<float>(blk[4 + e] >> 4) * d + m;
+        }
+      } else {
+        for (int e = 0; e < 32; ++e) out[e] = static_cast<float>(static_cast<int8_t>(blk[2 + e])) * d;
+      }
+    }
+  }
+}
+
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum) {
+  const int64_t KB = K / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const float* xb = x + m * K + kb * kBlock;
+      int8_t* ab = a + m * K + kb * kBlock;
+      float amax = 0.0f;
+      for (int e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(xb[e]));
+      int32_t sum = 0;
+      if (!std::isfinite(amax)) {  // inf or NaN in the block (std::max drops NaN: check the inputs too)
+        std::memset(ab, 0, kBlock);
+        scale[m * KB + kb] = std::numeric_limits<float>::quiet_NaN();
+      } else {
+        bool nan = false;
+        for (int e = 0; e < kBlock; ++e) nan = nan || std::isnan(xb[e]);
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int e = 0; e < kBlock; ++e) {
+          const float q = nan ? 0.0f : std::nearbyint(xb[e] * inv);
+          ab[e] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, q)));
+          sum += ab[e];
+        }
+        scale[m * KB + kb] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+      }
+      asum[m * KB + kb] = sum;
+    }
+  }
+}
+
+void packed_linear_scalar(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                          const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
+                          int64_t g1) {
+  const int64_t KB = K / kBlock, rec = record_bytes(t);
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t r = 0; r < kGroupRows && g * kGroupRows + r < N; ++r) {
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.0f;
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          const uint8_t* p = packed + (g * KB + kb) * rec;
+          const int8_t* ab = a + m * K + kb * kBlock;
+          int32_t isum = 0;
+          float blk;
+          if (t == BlockType::Q4_1) {
+            for (int j = 0; j < 4; ++j) {
+              for (int b = 0; b < 4; ++b) {
+                const uint8_t byte = p[64 * j + 4 * r + b];
+                isum += (byte & 0xF) * ab[4 * j + b] + (byte >> 4) * ab[16 + 4 * j + b];
+              }
+            }
+            const float d = half_to_float(load_u16(p + 256 + 2 * r)), mw = half_to_float(load_u16(p + 288 + 2 * r));
+            blk = d * static_cast<float>(isum) + mw * static_cast<float>(asum[m * KB + kb]);
+          } else {
+            for (int q = 0; q < 8; ++q) {
+              for (int b = 0; b < 4; ++b) isum += (static_cast<int32_t>(p[64 * q + 4 * r + b]) - 128) * ab[4 * q + b];
+            }
+            blk = half_to_float(load_u16(p + 512 + 2 * r)) * static_cast<float>(isum);
+          }
+          acc = acc + blk * scale[m * KB + kb];
+        }
+        y[m * ldy + g * kGroupRows + r] = acc;
+      }
+    }
+  }
+}
+
+namespace {
+
+#ifdef TAPS_HAVE_VNNI_PATH
+#define TAPS_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+// MC rows of x over one group of 16 output rows; rows past N are masked out of the store.
+template <int MC>
+TAPS_VNNI_TARGET void group_q4_1(const uint8_t* rec, int64_t KB, int64_t K, const int8_t* a, const float* scale,
+                                 const int32_t* asum, float* y, int64_t ldy, __mmask16 store) {
+  __m512 acc[MC];
+  for (int c = 0; c < MC; ++c) acc[c] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t kb = 0; kb < KB; ++kb, rec += kQ41Record) {
+    __m512i w[8];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i p = _mm512_loadu_si512(rec + 64 * j);
+      w[j] = _mm512_and_si512(p, low);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+    for (int c = 0; c < MC; ++c) {
+      int32_t ai[8];
+      std::memcpy(ai, a + c * K + kb * kBlock, sizeof ai);
+      __m512i is = _mm512_setzero_si512();
+      for (int t = 0; t < 8; ++t) is = _mm512_dpbusd_epi32(is, w[t], _mm512_set1_epi32(ai[t]));
+      const int64_t sb = c * KB + kb;
+      const __m512 blk = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(is)),
+                                       _mm512_mul_ps(mv, _mm512_set1_ps(static_cast<float>(asum[sb]))));
+      acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(blk, _mm512_set1_ps(scale[sb])));
+    }
+  }
+  for (int c = 0; c < MC; ++c) _mm512_mask_storeu_ps(y + c * ldy, store, acc[c]);
+}
+
+template <int MC>
+TAPS_VNNI_TARGET void group_q8_0(const uint8_t* rec, int64_t KB, int64_t K, const int8_t* a, const float* scale,
+                                 const int32_t* asum, float* y, int64_t ldy, __mmask16 store) {
+  __m512 acc[MC];
+  for (int c = 0; c < MC; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb, rec += kQ80Record) {
+    __m512i w[8];
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(rec + 64 * t);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+    for (int c = 0; c < MC; ++c) {
+      int32_t ai[8];
+      std::memcpy(ai, a + c * K + kb * kBlock, sizeof ai);
+      __m512i is = _mm512_setzero_si512();
+      for (int t = 0; t < 8; ++t) is = _mm512_dpbusd_epi32(is, w[t], _mm512_set1_epi32(ai[t]));
+      const int64_t sb = c * KB + kb;
+      // the weights are stored as q + 128 (vpdpbusd multiplies unsigned by signed bytes): take 128 * sum a back
+      is = _mm512_sub_epi32(is, _mm512_set1_epi32(asum[sb] * 128));
+      const __m512 blk = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(is));
+      acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(blk, _mm512_set1_ps(scale[sb])));
+    }
+  }
+  for (int c = 0; c < MC; ++c) _mm512_mask_storeu_ps(y + c * ldy, store, acc[c]);
+}
+
+using GroupFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*, float*,
+                         int64_t, __mmask16);
+
+// Rows are taken 8 at a time (accumulators + 8 unpacked weight vectors fit the 32 registers); the rest by
+// a kernel of the remaining count. The group's weights stay in L1 across the chunks.
+constexpr int kRowChunk = 8;
+
+TAPS_VNNI_TARGET void packed_linear_vnni(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                                         const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy,
+                                         int64_t g0, int64_t g1) {
+  static const GroupFn q41[kRowChunk + 1] = {nullptr,        group_q4_1<1>, group_q4_1<2>, group_q4_1<3>,
+                                             group_q4_1<4>,  group_q4_1<5>, group_q4_1<6>, group_q4_1<7>,
+                                             group_q4_1<8>};
+  static const GroupFn q80[kRowChunk + 1] = {nullptr,        group_q8_0<1>, group_q8_0<2>, group_q8_0<3>,
+                                             group_q8_0<4>,  group_q8_0<5>, group_q8_0<6>, group_q8_0<7>,
+                                             group_q8_0<8>};
+  const GroupFn* fns = t == BlockType::Q4_1 ? q41 : q80;
+  const int64_t KB = K / kBlock, rec = record_bytes(t);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
+    const __mmask16 store = static_cast<__mmask16>((1u << live) - 1u);
+    const uint8_t* grec = packed + g * KB * rec;
+    for (int64_t m = 0; m < M; m += kRowChunk) {
+      const int64_t mc = std::min<int64_t>(kRowChunk, M - m);
+      fns[mc](grec, KB, K, a + m * K, scale + m * KB, asum + m * KB, y + m * ldy + g * kGroupRows, ldy, store);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool vnni_available() {
+#ifdef TAPS_HAVE_VNNI_PATH
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a, const float* scale,
+                   const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1) {
+#ifdef TAPS_HAVE_VNNI_PATH
+  if (vnni_available()) {
+    packed_linear_vnni(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1);
+    return;
+  }
+#endif
+  packed_linear_scalar(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1);
+}
+
+}  // namespace gguf
+}  // namespace taps

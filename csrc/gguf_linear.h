@@ -1,0 +1,68 @@
+// Few-row linear layer over GGUF weight blocks (Q4_1, Q8_0), on raw host pointers, no torch.
+//
+// Why it exists: the target ships as a GGUF file of 4.5-bit Q4_1 blocks (and a Q8_0 token embedding /
+// tied head). Dequantised to float32 a decode step streams ~540 MB; read as blocks it streams ~96 MB, and
+// the int8 dot products run on the CPU's VNNI units (vpdpbusd: 64 byte products per instruction).
+//
+// Numerics (the contract the tests pin, and what makes a tree verify equal plain decoding bit for bit):
+//   * activations are quantised per row and per 32-block: amax = max |x|, scale = amax / 127,
+//     a = round_half_even(x * (127 / amax)) in [-127, 127] (a = 0 and scale = 0 where amax = 0);
+//   * each weight block's dot with its activation block is an exact int32 sum;
+//   * then one fixed float32 step per block, in block order k = 0, 1, ...:
+//       Q4_1 (w = q * d + m):  blk = d * float(sum q*a) + m * float(sum a);  acc = acc + blk * scale
+//       Q8_0 (w = q * d):      blk = d * float(sum q*a);                     acc = acc + blk * scale
+//     (separate multiplies and adds, no FMA: the PyTorch reference reproduces every bit).
+// Nothing depends on how many rows share a call, where a row sits in it, or how output columns are split
+// over threads: every row of an M-row call equals its 1-row call bit for bit, on the VNNI path and on the
+// plain-loop path alike (the two are the same arithmetic).
+//
+// Packed layout (made once at load time by pack_blocks): output rows are grouped by kGroupRows = 16;
+// for each group, its K/32 blocks follow one another, each a record of
+//   Q4_1: 256 bytes of nibbles + 16 fp16 d + 16 fp16 m   (320 bytes; byte 64*j + 4*r + b holds elements
+//         4j+b (low nibble) and 16+4j+b (high nibble) of the group's row r: exactly GGUF's byte 4j+b)
+//   Q8_0: 512 bytes of q + 128 (uint8) + 16 fp16 d        (544 bytes; byte 64*t + 4*r + b holds element 4t+b)
+// so one 64-byte load feeds vpdpbusd with 4 consecutive elements of 16 rows. Rows past N are zero.
+#pragma once
+
+#include <cstdint>
+
+namespace taps {
+namespace gguf {
+
+// GGML type ids (the values the GGUF file stores).
+enum class BlockType : int { Q4_1 = 3, Q8_0 = 8 };
+
+constexpr int64_t kBlock = 32;      // elements per block (both types)
+constexpr int64_t kGroupRows = 16;  // output rows per packed group
+
+// Bytes of one GGUF block (what the file holds) and of one packed record (kGroupRows rows, one block).
+int64_t block_bytes(BlockType t);
+int64_t record_bytes(BlockType t);
+// Bytes of a packed [N, K] weight.
+int64_t packed_bytes(BlockType t, int64_t N, int64_t K);
+
+// Repacks N GGUF rows (row-major, K/32 blocks each, exactly as the file stores them) into the layout above.
+void pack_blocks(BlockType t, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst);
+
+// The exact float32 weights of the GGUF rows [N, K] (w = q * d + m, or q * d: exact in float32).
+void dequantize_blocks(BlockType t, const uint8_t* src, int64_t N, int64_t K, float* dst);
+
+// Quantises x [M, K] per row and 32-block: a [M, K] int8, scale [M, K/32] float32, asum [M, K/32] int32.
+// A block whose amax is not finite gets scale = NaN (its outputs become NaN, never garbage ints).
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
+
+// y[m, n] for n in groups [g0, g1) (rows g*16 ... min(N, g*16+16)), all M rows; ldy is y's row stride.
+// Groups write disjoint columns of y, so callers may run group ranges in parallel.
+void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a, const float* scale,
+                   const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1);
+
+// The plain-loop path on its own (what packed_linear runs without AVX-512 VNNI); exposed for the tests.
+void packed_linear_scalar(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                          const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
+                          int64_t g1);
+
+// Whether this CPU runs the AVX-512 VNNI path (probed once per process).
+bool vnni_available();
+
+}  // namespace gguf
+}  // namespace taps

@@ -1,0 +1,94 @@
+"""References of the GGUF block kernels (``csrc/gguf_linear.h``), written out in plain PyTorch over the raw
+blocks exactly as a GGUF file stores them (not the packed layout the kernel reads).
+
+Block formats (32 elements each):
+
+* Q4_1 (GGML type 3), 20 bytes: fp16 ``d``, fp16 ``m``, 16 bytes ``qs``; element ``j < 16`` is ``qs[j] & 0xF``,
+  element ``j + 16`` is ``qs[j] >> 4``; ``w = q * d + m`` (exact in float32).
+* Q8_0 (GGML type 8), 34 bytes: fp16 ``d``, 32 int8 ``q``; ``w = q * d``.
+
+The linear layer's numerics (what the kernel must reproduce bit for bit): activations quantised per row
+and 32-block (:func:`quantize_activations_reference`), exact integer block sums, then per block, in block
+order, ``blk = d * float(sum q*a) [+ m * float(sum a)]`` and ``acc = acc + blk * scale`` in float32 with
+separate roundings.
+"""
+from __future__ import annotations
+
+import torch
+
+Q4_1 = 3
+Q8_0 = 8
+BLOCK = 32
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+def _blocks(raw: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor:
+    """``raw [N, cols/32 * block_bytes] uint8`` -> ``[N, cols/32, block_bytes]``."""
+    if ggml_type not in BLOCK_BYTES:
+        raise ValueError(f"ggml_type: expected Q4_1 (3) or Q8_0 (8), received {ggml_type}")
+    if cols % BLOCK:
+        raise ValueError(f"cols: expected a multiple of {BLOCK}, received {cols}")
+    return raw.reshape(raw.shape[0], cols // BLOCK, BLOCK_BYTES[ggml_type])
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """Two uint8 columns (little-endian) -> their float16 value as float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def block_codes_reference(raw: torch.Tensor, ggml_type: int, cols: int):
+    """``(q [N, cols] int64, d [N, cols/32] float32, m [N, cols/32] float32 or None)`` of GGUF rows."""
+    blk = _blocks(raw, ggml_type, cols)
+    d = _half(blk[..., 0:2])
+    if ggml_type == Q4_1:
+        m = _half(blk[..., 2:4])
+        qs = blk[..., 4:20].to(torch.int64)
+        q = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # [N, KB, 32]: elements 0..15 low nibbles, 16..31 high
+        return q.reshape(raw.shape[0], cols), d, m
+    q = blk[..., 2:34].contiguous().view(torch.int8).to(torch.int64)
+    return q.reshape(raw.shape[0], cols), d, None
+
+
+def dequantize_blocks_reference(raw: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor:
+    """Exact float32 weights ``[N, cols]`` of GGUF rows ``raw [N, cols/32 * block_bytes] uint8``."""
+    q, d, m = block_codes_reference(raw, ggml_type, cols)
+    w = q.float().view(q.shape[0], -1, BLOCK) * d[..., None]
+    if m is not None:
+        w = w + m[..., None]
+    return w.reshape(q.shape[0], cols)
+
+
+def quantize_activations_reference(x: torch.Tensor):
+    """``x [M, K] float32`` -> ``(a [M, K] int8, scale [M, K/32] float32, asum [M, K/32] int32)``.
+
+    Per row and 32-block: ``amax = max|x|``, ``scale = amax / 127``, ``a = round_half_even(x * (127 / amax))``
+    (``a = 0``, ``scale = 0`` where ``amax = 0``); a block holding inf or NaN gets ``a = 0``, ``scale = NaN``.
+    """
+    M, K = x.shape
+    xb = x.float().reshape(M, K // BLOCK, BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    bad = ~torch.isfinite(xb).all(dim=-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    a = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    a = torch.where(bad[..., None], torch.zeros_like(a), a).to(torch.int8)
+    scale = torch.where(bad, torch.full_like(amax, float("nan")), amax / torch.tensor(127.0))
+    return a.reshape(M, K), scale, a.to(torch.int32).sum(dim=-1, dtype=torch.int32)
+
+
+def gguf_linear_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """``x [M, K] float32`` times GGUF rows ``raw [N, K/32 * block_bytes] uint8`` transposed -> ``[M, N]``
+    float32, with the kernel's numerics (module docstring), bit for bit."""
+    M, K = x.shape
+    q, d, m = block_codes_reference(raw, ggml_type, K)
+    a, scale, asum = quantize_activations_reference(x)
+    acc = torch.zeros(M, raw.shape[0], dtype=torch.float32)
+    for kb in range(K // BLOCK):
+        cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        # integer block sums, exact in float64 (|sum| < 2**20)
+        isum = (a[:, cols].double() @ q[:, cols].double().T).float()
+        blk = d[None, :, kb] * isum
+        if m is not None:
+            blk = blk + m[None, :, kb] * asum[:, kb, None].float()
+        acc = acc + blk * scale[:, kb, None]
+    return acc
