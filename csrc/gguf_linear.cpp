@@ -179,6 +179,20 @@ namespace {
 #ifdef TAPS_HAVE_VNNI_PATH
 #define TAPS_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
+// The 16 int32 block sums (one per output row of the group) of MC activation rows: the steps over the
+// block's 8 dwords go across the rows first, so MC independent vpdpbusd chains hide its latency. Each
+// activation dword is broadcast straight from memory.
+template <int MC>
+TAPS_VNNI_TARGET inline void block_dots(const __m512i* w, const int8_t* a, int64_t K, __m512i* is) {
+  typedef int32_t __attribute__((may_alias, aligned(1))) dword;  // 4 activation bytes, read as one
+  for (int c = 0; c < MC; ++c) is[c] = _mm512_setzero_si512();
+  for (int t = 0; t < 8; ++t) {
+    for (int c = 0; c < MC; ++c) {
+      is[c] = _mm512_dpbusd_epi32(is[c], w[t], _mm512_set1_epi32(reinterpret_cast<const dword*>(a + c * K)[t]));
+    }
+  }
+}
+
 // MC rows of x over one group of 16 output rows; rows past N are masked out of the store.
 template <int MC>
 TAPS_VNNI_TARGET void group_q4_1(const uint8_t* rec, int64_t KB, int64_t K, const int8_t* a, const float* scale,
@@ -195,13 +209,11 @@ TAPS_VNNI_TARGET void group_q4_1(const uint8_t* rec, int64_t KB, int64_t K, cons
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+    __m512i is[MC];
+    block_dots<MC>(w, a + kb * kBlock, K, is);
     for (int c = 0; c < MC; ++c) {
-      int32_t ai[8];
-      std::memcpy(ai, a + c * K + kb * kBlock, sizeof ai);
-      __m512i is = _mm512_setzero_si512();
-      for (int t = 0; t < 8; ++t) is = _mm512_dpbusd_epi32(is, w[t], _mm512_set1_epi32(ai[t]));
       const int64_t sb = c * KB + kb;
-      const __m512 blk = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(is)),
+      const __m512 blk = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(is[c])),
                                        _mm512_mul_ps(mv, _mm512_set1_ps(static_cast<float>(asum[sb]))));
       acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(blk, _mm512_set1_ps(scale[sb])));
     }
@@ -218,15 +230,13 @@ TAPS_VNNI_TARGET void group_q8_0(const uint8_t* rec, int64_t KB, int64_t K, cons
     __m512i w[8];
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(rec + 64 * t);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+    __m512i is[MC];
+    block_dots<MC>(w, a + kb * kBlock, K, is);
     for (int c = 0; c < MC; ++c) {
-      int32_t ai[8];
-      std::memcpy(ai, a + c * K + kb * kBlock, sizeof ai);
-      __m512i is = _mm512_setzero_si512();
-      for (int t = 0; t < 8; ++t) is = _mm512_dpbusd_epi32(is, w[t], _mm512_set1_epi32(ai[t]));
       const int64_t sb = c * KB + kb;
       // the weights are stored as q + 128 (vpdpbusd multiplies unsigned by signed bytes): take 128 * sum a back
-      is = _mm512_sub_epi32(is, _mm512_set1_epi32(asum[sb] * 128));
-      const __m512 blk = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(is));
+      const __m512i exact = _mm512_sub_epi32(is[c], _mm512_set1_epi32(asum[sb] * 128));
+      const __m512 blk = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(exact));
       acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(blk, _mm512_set1_ps(scale[sb])));
     }
   }

@@ -163,13 +163,13 @@ def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int 
     ``raw`` (``{n: median seconds}`` at the grid points), ``t0`` (seconds), ``t0_parts``, ``prefix_len``,
     ``repeats``, ``machine``, ``model``, ``created``.
     """
-    from .verifier import TargetVerifier
+    from .verifier import make_verifier
 
     if n_max < 0:
         raise ValueError(f"n_max: expected >= 0, received {n_max}")
     device = next(model.parameters()).device
     layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else None
-    ver = TargetVerifier(model, layer_ids)
+    ver = make_verifier(model, layer_ids)
     gen = torch.Generator().manual_seed(seed)
     V = int(model.config.vocab_size)
     prompt = torch.randint(0, V, (1, prefix_len), generator=gen)
@@ -212,12 +212,12 @@ def measure_batch_latency(model, rows: int, n_max: int, prefix_len: int = 256, r
     """``[rows * n_max + 1]`` seconds: one verify of ``rows`` rows holding ``n`` non-root nodes in total
     (module docstring), non-decreasing."""
     from .tree_ops import pad_tree
-    from .verifier import TargetVerifier
+    from .verifier import make_verifier
 
     if rows < 1:
         raise ValueError(f"rows: expected >= 1, received {rows}")
     device = next(model.parameters()).device
-    ver = TargetVerifier(model, feature_layer_ids, max_batch=rows)
+    ver = make_verifier(model, feature_layer_ids, max_batch=rows)
     ver.reset(rows, prefix_len + n_max + 2)
     gen = torch.Generator().manual_seed(seed)
     V = int(model.config.vocab_size)
@@ -254,9 +254,9 @@ def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeat
     verifier (``ver``, ``prompt [1, S]``, ``feats``) is given."""
     device = next(model.parameters()).device
     if ver is None:
-        from .verifier import TargetVerifier
+        from .verifier import make_verifier
 
-        ver = TargetVerifier(model, list(drafter.config.target_layer_ids))
+        ver = make_verifier(model, list(drafter.config.target_layer_ids))
         prompt = torch.randint(0, int(model.config.vocab_size), (1, prefix_len),
                                generator=torch.Generator().manual_seed(seed))
         _, feats = ver.prefill(prompt)

@@ -48,7 +48,7 @@ from .sampling import SamplingConfig, choose_tokens, processed_probs
 from .stats import BUILD_STAGES, GenerationStats, RoundStats
 from .timing import RoundClock, StageTimer
 from .tree_ops import pad_tree, root_only_tree, slice_tree, truncate_depth  # noqa: F401  (truncate_depth: API)
-from .verifier import TargetVerifier
+from .verifier import make_verifier
 
 #: Largest batch a decoder accepts by default (rows preallocated in the caches).
 DEFAULT_MAX_BATCH = 8
@@ -163,7 +163,7 @@ class BatchDecoder:
         self.static_shapes = bool(static_shapes)
         layer_ids = list(self.drafter.config.target_layer_ids) if self.drafter is not None else None
         try:
-            self.verifier = TargetVerifier(target, layer_ids, attention=attention, max_batch=max_batch)
+            self.verifier = make_verifier(target, layer_ids, attention=attention, max_batch=max_batch)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         self.device = self.verifier.device

@@ -98,45 +98,22 @@ else:  # pragma: no cover
     _RowLayer = None
 
 
-class TargetVerifier:
-    """Owns the target's KV cache for up to ``max_batch`` rows.
+class CacheVerifier:
+    """What every target's verifier shares: the per-row KV buffers ``[max_batch, H_kv, capacity, Dh]`` per
+    layer, the device ``lengths`` and their host mirror, one-call compaction, and the batch-1 interface.
+    Subclasses run the forwards (:meth:`prefill_row`, :meth:`verify_batch`) and say how a forward's hidden
+    states become drafter features (:meth:`features`)."""
 
-    Args:
-        model: an HF causal LM (Llama/Qwen-style, full attention in every layer).
-        feature_layer_ids: target layer ids whose outputs the drafter reads (``hidden_states[id + 1]``,
-            concatenated on the last dim), or None when no drafter runs.
-        attention: ``"auto"``, ``"taps_tree"`` or ``"sdpa"`` (module docstring).
-        max_batch: rows (request slots).
-    """
-
-    def __init__(self, model, feature_layer_ids: Optional[Sequence[int]] = None, attention: str = "auto",
-                 max_batch: int = 1):
-        if _RowLayer is None:
-            raise ImportError("TargetVerifier needs transformers with per-layer cache objects (>= 4.56)")
-        cfg = model.config
-        if getattr(cfg, "sliding_window", None) or (getattr(cfg, "layer_types", None)
-                                                    and any(t != "full_attention" for t in cfg.layer_types)):
-            raise ValueError("model: sliding-window attention layers are not supported by the batched verifier")
-        self.model = model
+    def _init_cache(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                    feature_layer_ids: Optional[Sequence[int]], max_batch: int) -> None:
         self.feature_layer_ids = list(feature_layer_ids) if feature_layer_ids is not None else None
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.attention = resolve_attention(attention, self.device)
-        if self.attention == "taps_tree" and getattr(cfg, "_attn_implementation", None) != taps_hf.ATTN_IMPLEMENTATION:
-            # Without a tree this implementation is exactly sdpa (same mask builder, same kernel).
-            model.set_attn_implementation(taps_hf.ATTN_IMPLEMENTATION)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.num_layers = int(cfg.num_hidden_layers)
-        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.num_layers, self.kv_heads, self.head_dim = int(num_layers), int(kv_heads), int(head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
         self.max_batch = 0
         self.keys: List[torch.Tensor] = []
         self.values: List[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.host_lengths: List[int] = []
-        self._mode, self._slot, self._rows, self._kv_len, self._past, self._write_index = "tree", 0, 0, 0, 0, None
-        self._hf_cache = None
         self.reset(max_batch, 0)
 
     # --- buffers --------------------------------------------------------------------------------------------
@@ -148,8 +125,6 @@ class TargetVerifier:
     def reset(self, max_batch: int, capacity: int) -> None:
         """Empty cache of ``max_batch`` rows with room for ``capacity`` positions each (grows on demand; the
         buffers of an earlier run are kept when they fit)."""
-        from transformers import DynamicCache
-
         reuse = self.keys and self.max_batch == int(max_batch) and self.capacity >= int(capacity)
         self.max_batch = int(max_batch)
         if not reuse:  # else the old buffers serve: the lengths alone say what is valid
@@ -158,8 +133,6 @@ class TargetVerifier:
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.lengths = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
         self.host_lengths = [0] * self.max_batch
-        self._hf_cache = DynamicCache()
-        self._hf_cache.layers = [_RowLayer(self, i) for i in range(self.num_layers)]
 
     def reserve(self, positions: int) -> None:
         """Make room for ``positions`` per row (between rounds: a copy of the buffers, doubling)."""
@@ -182,14 +155,9 @@ class TargetVerifier:
         self.host_lengths[row] = 0
 
     def features(self, hidden_states, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Drafter context features ``[B, T, n*H]`` from a forward's ``hidden_states``; ``rows [T] int64``
-        picks node rows (all rows when None)."""
-        if self.feature_layer_ids is None:
-            return None
-        picked = [hidden_states[i + 1] for i in self.feature_layer_ids]
-        if rows is not None:
-            picked = [h.index_select(1, rows) for h in picked]
-        return torch.cat(picked, dim=-1)
+        """Drafter context features ``[B, T, n*H]`` from a forward's hidden states; ``rows [T] int64`` picks
+        node rows (all rows when None)."""
+        raise NotImplementedError
 
     def gather_features(self, hidden_states, path: torch.Tensor) -> Optional[torch.Tensor]:
         """Features of the accepted nodes: ``[B, P, n*H]`` at ``path [B, P]`` (-1 pads read node 0; the
@@ -200,30 +168,13 @@ class TargetVerifier:
         idx = path.clamp(min=0)[:, :, None].expand(-1, -1, feats.shape[-1])
         return feats.gather(1, idx)
 
-    # --- forwards ---------------------------------------------------------------------------------------------
-
-    @torch.inference_mode()
     def prefill_row(self, row: int, prompt_ids: Sequence[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Run one prompt alone into row ``row`` (other rows untouched, nothing recomputed).
 
         Returns ``(logits [V] after the last prompt token, features [1, T, n*H] or None)``.
         """
-        ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).view(1, -1).to(self.device)
-        T = ids.shape[1]
-        self.reserve(T + 1)
-        want_hidden = self.feature_layer_ids is not None
-        self._mode, self._slot, self._past = "prefill", int(row), 0
-        try:
-            out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._hf_cache},
-                             output_hidden_states=want_hidden, logits_to_keep=1)
-        finally:
-            self._mode = "tree"
-        self.lengths[row] = T
-        self.host_lengths[row] = T
-        feats = self.features(out.hidden_states) if want_hidden else None
-        return out.logits[0, -1], feats
+        raise NotImplementedError
 
-    @torch.inference_mode()
     def verify_batch(self, tree: Tree, rows: Optional[int] = None, chain: bool = False):
         """One target forward over the trees of rows ``[0, B)`` on top of their committed prefixes.
 
@@ -232,42 +183,23 @@ class TargetVerifier:
         Args:
             tree: :class:`Tree` ``[B, N]`` on the model's device (every row, padded to the batch's largest).
             rows: ``B`` (default ``tree.batch_size``); the host must know ``max(lengths[:B])``.
-            chain: every row's tree is a chain (node i at depth i; a root alone is one). On the sdpa path with
-                equal row lengths the forward then needs no tree mask (HF's causal one is the tree's).
+            chain: every row's tree is a chain (node i at depth i; a root alone is one); a hint some forwards
+                use to skip the tree mask.
         Returns:
-            ``(logits [B, N, V], hidden_states or None)``. The cache lengths do not change: the tree rows sit
-            past each length until :meth:`commit_batch`.
+            ``(logits [B, N, V], hidden states or None)`` (pass the hidden states to :meth:`features`). The
+            cache lengths do not change: the tree rows sit past each length until :meth:`commit_batch`.
         """
+        raise NotImplementedError
+
+    def _tree_rows(self, tree: Tree, rows: Optional[int]) -> Tuple[int, int, int]:
+        """``(B, N, kv_len)`` of a verify, room reserved (host side: the host knows every length)."""
         B, N = tree.tokens.shape
         rows = B if rows is None else rows
         if rows != B:
             raise ValueError(f"tree: expected {rows} rows, received {B}")
         kv_len = max(self.host_lengths[:B]) + N
         self.reserve(kv_len)
-        prefix = self.lengths[:B]
-        causal = chain and self.attention == "sdpa" and len(set(self.host_lengths[:B])) == 1
-        if causal:
-            position_ids, bits = prefix[:, None] + torch.arange(N, device=self.device), None
-        else:
-            position_ids, bits = kernels.tree_mask(tree, prefix)
-        self._rows, self._kv_len, self._past = B, kv_len, kv_len - N
-        self._write_index = (prefix[:, None] + torch.arange(N, device=self.device))[:, None, :, None].expand(
-            B, self.kv_heads, N, self.head_dim)
-        want_hidden = self.feature_layer_ids is not None
-        kwargs = dict(input_ids=tree.tokens, position_ids=position_ids, use_cache=True,
-                      output_hidden_states=want_hidden, **{self._cache_kw: self._hf_cache})
-        if self.attention == "taps_tree":
-            meta = taps_hf.TreeAttentionMetadata(bits, prefix)
-            with taps_hf.use_tree(meta):
-                out = self.model(**kwargs)
-        elif causal:
-            out = self.model(**kwargs)
-        else:
-            visible = tree_visibility(bits, prefix, kv_len)[:, None]
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-            out = self.model(attention_mask=mask, **kwargs)
-        return out.logits, (out.hidden_states if want_hidden else None)
+        return B, N, kv_len
 
     @torch.inference_mode()
     def commit_batch(self, path: torch.Tensor, accept_len: torch.Tensor, moves: bool = True) -> None:
@@ -301,7 +233,7 @@ class TargetVerifier:
     @torch.inference_mode()
     def verify(self, tree: Tree) -> Tuple[torch.Tensor, Optional[tuple], Tree]:
         """Row 0 verifies a one-row ``tree`` (its first ``num_nodes[0]`` rows). Returns ``(logits [n, V],
-        hidden_states or None, tree sliced to n rows)``."""
+        hidden states or None, tree sliced to n rows)``."""
         n = int(tree.num_nodes[0])
         if tree.tokens.shape[1] != n:
             tree = Tree(tree.tokens[:, :n], tree.parents[:, :n], tree.depth[:, :n], tree.num_nodes)
@@ -321,3 +253,116 @@ class TargetVerifier:
             raise ValueError(f"length: expected 0 <= length <= {self.host_lengths[0]} cached rows, received {length}")
         self.lengths[0] = length
         self.host_lengths[0] = length
+
+
+class TargetVerifier(CacheVerifier):
+    """The HF module target's verifier: owns the target's KV cache for up to ``max_batch`` rows.
+
+    Args:
+        model: an HF causal LM (Llama/Qwen-style, full attention in every layer).
+        feature_layer_ids: target layer ids whose outputs the drafter reads (``hidden_states[id + 1]``,
+            concatenated on the last dim), or None when no drafter runs.
+        attention: ``"auto"``, ``"taps_tree"`` or ``"sdpa"`` (module docstring).
+        max_batch: rows (request slots).
+    """
+
+    def __init__(self, model, feature_layer_ids: Optional[Sequence[int]] = None, attention: str = "auto",
+                 max_batch: int = 1):
+        if _RowLayer is None:
+            raise ImportError("TargetVerifier needs transformers with per-layer cache objects (>= 4.56)")
+        cfg = model.config
+        if getattr(cfg, "sliding_window", None) or (getattr(cfg, "layer_types", None)
+                                                    and any(t != "full_attention" for t in cfg.layer_types)):
+            raise ValueError("model: sliding-window attention layers are not supported by the batched verifier")
+        self.model = model
+        param = next(model.parameters())
+        self.attention = resolve_attention(attention, param.device)
+        if self.attention == "taps_tree" and getattr(cfg, "_attn_implementation", None) != taps_hf.ATTN_IMPLEMENTATION:
+            # Without a tree this implementation is exactly sdpa (same mask builder, same kernel).
+            model.set_attn_implementation(taps_hf.ATTN_IMPLEMENTATION)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._mode, self._slot, self._rows, self._kv_len, self._past, self._write_index = "tree", 0, 0, 0, 0, None
+        self._hf_cache = None
+        self._init_cache(int(cfg.num_hidden_layers),
+                         int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+                         int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+                         param.dtype, param.device, feature_layer_ids, max_batch)
+
+    def reset(self, max_batch: int, capacity: int) -> None:
+        from transformers import DynamicCache
+
+        super().reset(max_batch, capacity)
+        self._hf_cache = DynamicCache()
+        self._hf_cache.layers = [_RowLayer(self, i) for i in range(self.num_layers)]
+
+    def features(self, hidden_states, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Drafter context features ``[B, T, n*H]`` from a forward's ``hidden_states`` (the HF tuple)."""
+        if self.feature_layer_ids is None:
+            return None
+        picked = [hidden_states[i + 1] for i in self.feature_layer_ids]
+        if rows is not None:
+            picked = [h.index_select(1, rows) for h in picked]
+        return torch.cat(picked, dim=-1)
+
+    # --- forwards ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill_row(self, row: int, prompt_ids: Sequence[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).view(1, -1).to(self.device)
+        T = ids.shape[1]
+        self.reserve(T + 1)
+        want_hidden = self.feature_layer_ids is not None
+        self._mode, self._slot, self._past = "prefill", int(row), 0
+        try:
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._hf_cache},
+                             output_hidden_states=want_hidden, logits_to_keep=1)
+        finally:
+            self._mode = "tree"
+        self.lengths[row] = T
+        self.host_lengths[row] = T
+        feats = self.features(out.hidden_states) if want_hidden else None
+        return out.logits[0, -1], feats
+
+    @torch.inference_mode()
+    def verify_batch(self, tree: Tree, rows: Optional[int] = None, chain: bool = False):
+        """See :meth:`CacheVerifier.verify_batch`. ``chain``: on the sdpa path with equal row lengths the
+        forward then needs no tree mask (HF's causal one is the tree's). Hidden states: the HF tuple."""
+        B, N, kv_len = self._tree_rows(tree, rows)
+        prefix = self.lengths[:B]
+        causal = chain and self.attention == "sdpa" and len(set(self.host_lengths[:B])) == 1
+        if causal:
+            position_ids, bits = prefix[:, None] + torch.arange(N, device=self.device), None
+        else:
+            position_ids, bits = kernels.tree_mask(tree, prefix)
+        self._rows, self._kv_len, self._past = B, kv_len, kv_len - N
+        self._write_index = (prefix[:, None] + torch.arange(N, device=self.device))[:, None, :, None].expand(
+            B, self.kv_heads, N, self.head_dim)
+        want_hidden = self.feature_layer_ids is not None
+        kwargs = dict(input_ids=tree.tokens, position_ids=position_ids, use_cache=True,
+                      output_hidden_states=want_hidden, **{self._cache_kw: self._hf_cache})
+        if self.attention == "taps_tree":
+            meta = taps_hf.TreeAttentionMetadata(bits, prefix)
+            with taps_hf.use_tree(meta):
+                out = self.model(**kwargs)
+        elif causal:
+            out = self.model(**kwargs)
+        else:
+            visible = tree_visibility(bits, prefix, kv_len)[:, None]
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+            out = self.model(attention_mask=mask, **kwargs)
+        return out.logits, (out.hidden_states if want_hidden else None)
+
+
+def make_verifier(target, feature_layer_ids: Optional[Sequence[int]] = None, attention: str = "auto",
+                  max_batch: int = 1) -> CacheVerifier:
+    """The verifier of ``target``: a :class:`taps.models.gguf_target.GGUFTarget` gets the C++ forward's
+    (:class:`taps.decode.gguf_verifier.GGUFVerifier`; ``attention`` does not apply), an HF module the
+    :class:`TargetVerifier`. The loop, the policies and the drafter see only :class:`CacheVerifier`."""
+    if getattr(target, "format", None) == "gguf":
+        from .gguf_verifier import GGUFVerifier
+
+        resolve_attention(attention, target.device)  # same argument checks for every target
+        return GGUFVerifier(target, feature_layer_ids, max_batch=max_batch)
+    return TargetVerifier(target, feature_layer_ids, attention=attention, max_batch=max_batch)

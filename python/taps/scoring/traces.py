@@ -126,9 +126,9 @@ def interleave(code: List[dict], chat: List[dict]) -> List[dict]:
 def trace_prompt(model, drafter, prompt_ids: List[int], max_new_tokens: int, pool_size: int, top_k: int,
                  lattice_k: int, stop_ids, prompt_index: int = 0) -> List[Dict[str, torch.Tensor]]:
     """Decode one prompt greedily over ``pool_size``-node pools; return one record per round (keys above)."""
-    from taps.decode.verifier import TargetVerifier
+    from taps.decode.verifier import make_verifier
 
-    ver = TargetVerifier(model, drafter.config.target_layer_ids)
+    ver = make_verifier(model, drafter.config.target_layer_ids)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     logits, feats = ver.prefill(torch.tensor([prompt_ids], dtype=torch.int64))
     state = drafter.new_state(1)

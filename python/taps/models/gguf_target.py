@@ -1,0 +1,241 @@
+"""The target as shipped: a GGUF file's Q4_1 / Q8_0 blocks read in place by the C++ forward
+(``csrc/gguf_forward.h``), no dequantised copy of the layers.
+
+``load_gguf_target(path)`` reads a Llama or Qwen3 GGUF file, checks every tensor (type, shape, whole blocks),
+repacks each matrix once into the kernel's layout (``csrc/gguf_linear.h``) and returns a
+:class:`GGUFTarget`. The model it defines is the file's blocks with activations quantised per row and
+32-block (int8) inside every matrix product; the fp32 format (``taps.models.target.load_target``) is the
+same blocks dequantised and multiplied in float32. ``taps eval-target-format`` measures how far apart
+the two are on held-out text.
+
+The object offers what the decode loop, the policies and the drafter read from a target (``config``,
+``get_input_embeddings()``, ``get_output_embeddings()``, ``parameters()`` for the device and dtype) and
+:meth:`GGUFTarget.forward_rows`, the one forward the verifier (:mod:`taps.decode.gguf_verifier`) calls.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from taps_kernels.reference.gguf import BLOCK, BLOCK_BYTES, Q4_1, Q8_0, TYPE_NAMES
+
+#: GGUF architectures the forward runs (decoder layers: RMSNorm, RoPE, GQA, SwiGLU; Qwen3 adds q/k norms).
+ARCHITECTURES = ("llama", "qwen3")
+MATRICES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
+            "down": "ffn_down"}
+
+
+class GGUFFormatError(ValueError):
+    """A GGUF file the forward cannot run: the message names the tensor or key and what was found."""
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return default
+    part = f.parts[f.data[0]]
+    if f.types and f.types[0].name == "STRING":
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0] if len(part) == 1 else part.tolist()
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k row permutation (GGUF row ``h*2d + 2j + a`` holds transformers'
+    row ``h*2d + a*d + j``), so the rotate-half RoPE of transformers applies."""
+    d = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, d, 2).swapaxes(1, 2).reshape(-1)
+
+
+class GGUFTarget(torch.nn.Module):
+    """A decoder LM over packed GGUF blocks. Build it with :func:`load_gguf_target`.
+
+    Attributes:
+        config: a transformers config of the same architecture (sizes, vocabulary, context length).
+        format: ``"gguf"`` (records name the target format with it).
+        path: the GGUF file.
+    """
+
+    format = "gguf"
+
+    def __init__(self, config, model, norms: Dict[str, torch.Tensor], embed_raw: Tuple[torch.Tensor, int],
+                 path: Path):
+        super().__init__()
+        self.config = config
+        self.path = Path(path)
+        self._model = model  # taps_kernels._C.GGUFModel (holds the packed blocks)
+        # the norm weights are the model's real float32 parameters (they also give parameters() a device/dtype)
+        self.norms = torch.nn.ParameterDict({k.replace(".", "_"): torch.nn.Parameter(v, requires_grad=False)
+                                             for k, v in norms.items()})
+        self._embed_raw = embed_raw
+        self._embed_module: Optional[torch.nn.Embedding] = None
+        self._head_module: Optional[torch.nn.Linear] = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """The token embedding dequantised to float32 (exact; made on first use: the drafter and the TAPS
+        scorer read it, plain decoding does not)."""
+        if self._embed_module is None:
+            from taps_kernels import _C
+
+            raw, ggml_type = self._embed_raw
+            w = _C.gguf_dequantize(raw, ggml_type, int(self.config.hidden_size), "token_embd.weight")
+            self._embed_module = torch.nn.Embedding.from_pretrained(w, freeze=True)
+        return self._embed_module
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        """The LM head in float32 (the embedding's weight when tied, as in the file)."""
+        if self._head_module is None:
+            emb = self.get_input_embeddings()
+            head = torch.nn.Linear(emb.weight.shape[1], emb.weight.shape[0], bias=False)
+            head.weight = emb.weight
+            self._head_module = head
+        return self._head_module
+
+    def forward_rows(self, tokens: torch.Tensor, position_ids: torch.Tensor, prefix_lens: torch.Tensor,
+                     cache_rows: torch.Tensor, ancestor_bits: torch.Tensor, keys: List[torch.Tensor],
+                     values: List[torch.Tensor], feature_layers: torch.Tensor, logit_rows: torch.Tensor):
+        """One forward over ``tokens [B, N] int64`` (C++; see ``csrc/gguf_forward.h``).
+
+        ``position_ids [B, N] int64``; ``prefix_lens [B] int64`` committed keys of each row (node j's K/V are
+        written at ``prefix + j`` of cache row ``cache_rows[b]``); ``ancestor_bits [B, N, ceil(N/32)] int32``
+        (node j visible to node i: bit ``j % 32`` of word ``j // 32``, self included); ``keys``/``values``:
+        one ``[R, kv_heads, capacity, head_dim]`` float32 buffer per layer; ``feature_layers [F] int64``;
+        ``logit_rows [n] int64`` flat query rows (``b * N + j``) whose logits are computed.
+        Returns ``(logits [n, vocab] float32, features [B, N, F * hidden] float32)``.
+        """
+        return self._model.forward(tokens, position_ids, prefix_lens, cache_rows, ancestor_bits, keys, values,
+                                   feature_layers, logit_rows)
+
+
+def _config_from_gguf(reader, arch: str, vocab: int, tied: bool):
+    from transformers import LlamaConfig, Qwen3Config
+
+    def need(key):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise GGUFFormatError(f"GGUF metadata: missing {arch}.{key}")
+        return v
+
+    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise GGUFFormatError(f"GGUF metadata: {arch}.rope.scaling.type="
+                              f"{_field(reader, f'{arch}.rope.scaling.type')!r} is not supported (plain RoPE only)")
+    heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    kw = dict(hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
+              num_hidden_layers=int(need("block_count")), num_attention_heads=heads,
+              num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
+              rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+              rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+              max_position_embeddings=int(need("context_length")), vocab_size=vocab, tie_word_embeddings=tied,
+              bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+              eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+              pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
+    cfg = (LlamaConfig if arch == "llama" else Qwen3Config)(**kw)
+    cfg.rope_theta = kw["rope_theta"]
+    return cfg
+
+
+def _tensor_rows(t, name: str) -> Tuple[torch.Tensor, int, int, int]:
+    """``(raw uint8 [N, row_bytes], ggml type, N, K)`` of a quantised matrix, checked."""
+    ggml_type = int(t.tensor_type)
+    if ggml_type not in BLOCK_BYTES:
+        raise GGUFFormatError(f"{name}: GGML type {t.tensor_type.name} is not supported by the GGUF forward; "
+                              f"expected one of {', '.join(TYPE_NAMES.values())}")
+    K, N = int(t.shape[0]), int(t.shape[1]) if len(t.shape) > 1 else 1
+    if K % BLOCK:
+        raise GGUFFormatError(f"{name}: {K} columns is not a whole number of {BLOCK}-element blocks")
+    row_bytes = K // BLOCK * BLOCK_BYTES[ggml_type]
+    data = np.asarray(t.data)
+    if data.dtype != np.uint8 or data.size != N * row_bytes:
+        raise GGUFFormatError(f"{name}: expected {N} rows of {row_bytes} bytes ({TYPE_NAMES[ggml_type]}, {K} columns), "
+                              f"found {data.size} bytes (truncated or misaligned blocks)")
+    return torch.from_numpy(np.ascontiguousarray(data).reshape(N, row_bytes).copy()), ggml_type, N, K
+
+
+def _vector(t, name: str, n: int) -> torch.Tensor:
+    if t.tensor_type.name != "F32":
+        raise GGUFFormatError(f"{name}: expected an F32 vector, found {t.tensor_type.name}")
+    data = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    if data.size != n:
+        raise GGUFFormatError(f"{name}: expected {n} values, found {data.size}")
+    return torch.from_numpy(data.copy())
+
+
+def load_gguf_target(path) -> GGUFTarget:
+    """Read a Llama / Qwen3 GGUF file into a :class:`GGUFTarget` (matrices repacked once, ~1 s for SmolLM2).
+
+    Raises :class:`GGUFFormatError` naming the tensor for unsupported types, wrong shapes and truncated data,
+    and RuntimeError when this CPU cannot run the forward (it needs AVX-512; ``taps_kernels.explain()``).
+    """
+    from gguf import GGUFReader
+
+    from taps_kernels import _C
+
+    if not _C.gguf_forward_available():
+        raise RuntimeError("the GGUF target needs a CPU with AVX-512 (this one lacks it): use --target-format fp32")
+    path = Path(path)
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:  # gguf raises these on truncated or foreign files
+        raise GGUFFormatError(f"{path.name}: not a readable GGUF file ({e})") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFFormatError(f"general.architecture: {arch!r} is not supported; expected one of {ARCHITECTURES}")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name):
+        if name not in tensors:
+            raise GGUFFormatError(f"{name}: missing from {path.name}")
+        return tensors[name]
+
+    embed_raw, embed_type, vocab, hidden = _tensor_rows(get("token_embd.weight"), "token_embd.weight")
+    tied = "output.weight" not in tensors
+    cfg = _config_from_gguf(reader, arch, vocab, tied)
+    if cfg.hidden_size != hidden:
+        raise GGUFFormatError(f"token_embd.weight: {hidden} columns, metadata says hidden size {cfg.hidden_size}")
+
+    def packed(name, rows_order=None):
+        raw, ggml_type, n, k = _tensor_rows(get(name), name)
+        if rows_order is not None:
+            raw = raw[torch.from_numpy(rows_order)].contiguous()
+        return (_C.gguf_pack(raw, ggml_type, k, name), ggml_type, n, k)
+
+    norms: Dict[str, torch.Tensor] = {}
+    layers = []
+    H, D = cfg.hidden_size, cfg.head_dim
+    for i in range(cfg.num_hidden_layers):
+        p = f"blk.{i}."
+        layer = {}
+        for key, gname in MATRICES.items():
+            order = None
+            if arch == "llama" and key in ("q", "k"):  # llama.cpp permutes q/k rows of Llama models only
+                order = _unpermute_rows(int(get(p + gname + ".weight").shape[1]),
+                                        cfg.num_attention_heads if key == "q" else cfg.num_key_value_heads)
+            layer[key] = packed(p + gname + ".weight", order)
+        for key, gname, n in (("attn_norm", "attn_norm", H), ("ffn_norm", "ffn_norm", H),
+                              ("q_norm", "attn_q_norm", D), ("k_norm", "attn_k_norm", D)):
+            name = p + gname + ".weight"
+            if name in tensors:
+                norms[name] = layer[key] = _vector(tensors[name], name, n)
+            elif key in ("attn_norm", "ffn_norm") or arch == "qwen3":
+                raise GGUFFormatError(f"{name}: missing from {path.name}")
+            else:
+                layer[key] = None
+        layers.append(layer)
+    norms["output_norm.weight"] = final_norm = _vector(get("output_norm.weight"), "output_norm.weight", H)
+    embed = (_C.gguf_pack(embed_raw, embed_type, hidden, "token_embd.weight"), embed_type, vocab, hidden)
+    head = embed if tied else packed("output.weight")
+    model = _C.GGUFModel({"hidden": H, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                          "head_dim": D, "ffn": cfg.intermediate_size, "vocab": vocab, "rms_eps": cfg.rms_norm_eps,
+                          "rope_base": cfg.rope_theta}, layers, embed, final_norm, head)
+    return GGUFTarget(cfg, model, norms, (embed_raw, embed_type), path)
