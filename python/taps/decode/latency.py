@@ -44,21 +44,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("TAPS_CACHE", "~/.cache/taps")).expanduser()
 
 
-def machine_key(device: Optional[torch.device] = None) -> str:
-    """CPU model, core count and torch threads (plus the GPU name on CUDA): what the latency depends on."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda":
-        return f"cuda-{torch.cuda.get_device_name(dev)}"
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's word where that is missing)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"cpu-{cpu}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
+    return cpu
+
+
+def machine_key(device: Optional[torch.device] = None) -> str:
+    """CPU model, core count and torch threads (plus the GPU name on CUDA): what the latency depends on."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        return f"cuda-{torch.cuda.get_device_name(dev)}"
+    return f"cpu-{cpu_name()}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
 
 
 def model_key(model) -> str:
@@ -67,6 +71,8 @@ def model_key(model) -> str:
 
     cfg = model.config
     name = Path(str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "model"))).name or "model"
+    if getattr(model, "format", None) == "gguf":  # the block forward: its own cost curve
+        return f"{name}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}-gguf"
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     # the few-row kernel changes the verify cost per node count: its tables are kept apart
     linear = "-rowslinear" if any(isinstance(m, RowsLinear) for m in model.modules()) else ""

