@@ -1,0 +1,213 @@
+"""The GGUF target: loader checks, the C++ forward against the independent reference forward, row invariance
+of whole forwards (a tree node = the same token decoded alone, bit for bit; a batch row = the row alone;
+prefill = token-by-token decoding), and lossless decoding through the loop against the reference decoder."""
+import random
+
+import pytest
+import torch
+
+from gguf_models import write_tiny_gguf
+from helpers import random_tree, tiny_drafter
+
+_C = pytest.importorskip("taps_kernels._C")
+pytestmark = pytest.mark.skipif(not _C.gguf_forward_available(), reason="the GGUF forward needs AVX-512")
+
+from taps.decode.loop import BatchDecoder, SpeculativeDecoder  # noqa: E402
+from taps.decode.policies import make_policy  # noqa: E402
+from taps.decode.verifier import make_verifier  # noqa: E402
+from taps.models.gguf_target import GGUFFormatError, load_gguf_target  # noqa: E402
+from taps_kernels import Tree  # noqa: E402
+from taps_kernels.reference.gguf_forward import (decoder_reference, greedy_reference,  # noqa: E402
+                                                 reference_weights_from_gguf)
+
+VOCAB, LAYERS = 80, 3
+FEATURES = [0, 2]  # a middle layer and the last (the final-normed state, as transformers' hidden_states[-1])
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny_{request.param}.gguf", arch=request.param,
+                           vocab=VOCAB, layers=LAYERS)
+    return load_gguf_target(path), reference_weights_from_gguf(path)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def _one(token: int) -> Tree:
+    return Tree(torch.tensor([[token]]), torch.tensor([[-1]], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                torch.ones(1, dtype=torch.int32))
+
+
+def _decode_alone(target, prompt, tokens):
+    """Logits and features of the last of ``tokens`` decoded one by one after ``prompt`` (each committed)."""
+    v = make_verifier(target, FEATURES)
+    v.prefill(torch.tensor([prompt]), len(prompt) + len(tokens) + 2)
+    for t in tokens[:-1]:
+        v.verify(_one(t))
+        v.commit(torch.zeros(1, 1, dtype=torch.int64), 1)
+    logits, feats, _ = v.verify(_one(tokens[-1]))
+    return logits[0], feats[0, 0]
+
+
+def test_forward_matches_reference(tiny):
+    target, ref = tiny
+    prompt = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]
+    v = make_verifier(target, FEATURES)
+    logits, feats = v.prefill(torch.tensor([prompt]), 32)
+    rl, rf = decoder_reference(ref, prompt, FEATURES)
+    # float32 rounding apart (exp, softmax and reduction orders differ); the int8 products are bit-identical
+    assert torch.allclose(logits, rl[-1], rtol=1e-4, atol=1e-4 * rl.abs().max())
+    assert torch.allclose(feats[0], rf, rtol=1e-4, atol=1e-4 * rf.abs().max())
+    assert int(logits.argmax()) == int(rl[-1].argmax())
+
+
+def test_prefill_equals_token_by_token(tiny):
+    target, _ = tiny
+    prompt = [random.Random(1).randrange(VOCAB) for _ in range(37)]
+    a = make_verifier(target, FEATURES)
+    la, fa = a.prefill(torch.tensor([prompt]), 64)
+    b = make_verifier(target, FEATURES)
+    b.prefill(torch.tensor([prompt[:1]]), 64)
+    for t in prompt[1:]:
+        lb, fb, _ = b.verify(_one(t))
+        b.commit(torch.zeros(1, 1, dtype=torch.int64), 1)
+    assert torch.equal(_bits(la), _bits(lb[0]))
+    assert torch.equal(_bits(fa[0, -1]), _bits(fb[0, 0]))
+    for ka, kb in zip(a.keys + a.values, b.keys + b.values):
+        assert torch.equal(_bits(ka[:, :, :len(prompt)]), _bits(kb[:, :, :len(prompt)]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tree_node_equals_the_token_decoded_alone(tiny, threads):
+    target, _ = tiny
+    rng = random.Random(threads)
+    prompt = [rng.randrange(VOCAB) for _ in range(21)]
+    tree = random_tree(rng, 1, 19, vocab=VOCAB)
+    torch.set_num_threads(threads)
+    v = make_verifier(target, FEATURES)
+    v.prefill(torch.tensor([prompt]), 64)
+    logits, feats, tree = v.verify(tree)
+    parents, tokens = tree.parents[0].tolist(), tree.tokens[0].tolist()
+    for i in range(len(tokens)):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        alone_logits, alone_feats = _decode_alone(target, prompt, [tokens[j] for j in reversed(path)])
+        assert torch.equal(_bits(logits[i]), _bits(alone_logits)), f"node {i}"
+        assert torch.equal(_bits(feats[0, i]), _bits(alone_feats)), f"node {i}"
+
+
+def test_batch_rows_equal_rows_alone(tiny):
+    target, _ = tiny
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 30, 17)]
+    tree = random_tree(rng, 3, 11, vocab=VOCAB)
+    v = make_verifier(target, FEATURES, max_batch=3)
+    v.reserve(64)
+    for b, p in enumerate(prompts):
+        v.prefill_row(b, p)
+    logits, feats = v.verify_batch(tree)
+    for b, p in enumerate(prompts):
+        one = make_verifier(target, FEATURES)
+        one.prefill(torch.tensor([p]), 64)
+        n = int(tree.num_nodes[b])
+        row = Tree(tree.tokens[b:b + 1, :n], tree.parents[b:b + 1, :n], tree.depth[b:b + 1, :n], tree.num_nodes[b:b + 1])
+        lo, fo, _ = one.verify(row)
+        assert torch.equal(_bits(logits[b, :n]), _bits(lo)), f"row {b}"
+        assert torch.equal(_bits(feats[b, :n]), _bits(fo[0])), f"row {b}"
+
+
+def _tiny_drafter(target):
+    d = tiny_drafter(seed=1, vocab=VOCAB, block_size=5, target_layers=LAYERS, hidden=target.config.hidden_size)
+    d.config.target_layer_ids = list(FEATURES)
+    return d
+
+
+@pytest.mark.parametrize("spec", ["ar", "lookup", "lookup:3", "dflash", "ddtree:6", "ddtree:16"])
+def test_lossless_against_the_reference_decoder(tiny, spec):
+    target, ref = tiny
+    rng = random.Random(7)
+    policy = make_policy(spec)
+    drafter = _tiny_drafter(target) if policy.uses_drafter else None
+    for _ in range(2):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
+        want = greedy_reference(ref, prompt, 24)
+        got = SpeculativeDecoder(target, policy, drafter=drafter).generate(prompt, 24)
+        assert got.token_ids == want
+
+
+def test_batched_decoding_equals_batch_one(tiny):
+    target, _ = tiny
+    rng = random.Random(9)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 15))] for _ in range(5)]
+    drafter = _tiny_drafter(target)
+    one = [SpeculativeDecoder(target, make_policy("ddtree:6"), drafter=drafter).generate(p, 20).token_ids
+           for p in prompts]
+    batched = BatchDecoder(target, make_policy("ddtree:6"), drafter=drafter, max_batch=3).generate_batch(prompts, 20)
+    assert [r.token_ids for r in batched] == one
+
+
+def test_failed_round_leaves_the_cache_intact(tiny):
+    target, ref = tiny
+    prompt = [4, 8, 15, 16, 23, 42]
+    dec = SpeculativeDecoder(target, make_policy("lookup"))
+    dec.start(prompt, 20)
+    calls = {"n": 0}
+
+    def fail_once(_):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+    dec.round_hook = fail_once
+    while not dec.done:
+        try:
+            dec.step()
+        except RuntimeError:
+            pass
+    assert dec.generated == greedy_reference(ref, prompt, 20)
+
+
+def test_forward_rejects_bad_inputs(tiny):
+    target, _ = tiny
+    v = make_verifier(target, FEATURES)
+    v.prefill(torch.tensor([[1, 2, 3]]), 8)
+    with pytest.raises(ValueError, match="tokens: outside the vocabulary"):
+        v.verify(_one(VOCAB))
+    with pytest.raises(ValueError, match="feature_layer_ids"):
+        make_verifier(target, [LAYERS])
+    with pytest.raises(ValueError, match="position_ids: expected shape"):
+        target.forward_rows(torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 3, dtype=torch.int64),
+                            torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                            torch.zeros(1, 2, 1, dtype=torch.int32), v.keys, v.values, torch.zeros(0, dtype=torch.int64),
+                            torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="keys/values: expected one cache tensor per layer"):
+        target.forward_rows(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                            torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                            torch.ones(1, 1, 1, dtype=torch.int32), v.keys[:1], v.values[:1],
+                            torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+
+
+def test_loader_names_what_it_cannot_run(tmp_path):
+    with pytest.raises(GGUFFormatError, match=r"blk\.1\.ffn_up\.weight: GGML type F16 is not supported"):
+        load_gguf_target(write_tiny_gguf(tmp_path / "f16.gguf", types={"blk.1.ffn_up.weight": 1}))
+    with pytest.raises(GGUFFormatError, match=r"blk\.0\.attn_v\.weight: missing"):
+        load_gguf_target(write_tiny_gguf(tmp_path / "missing.gguf", drop=("blk.0.attn_v.weight",)))
+    good = write_tiny_gguf(tmp_path / "good.gguf")
+    data = good.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 1000])
+    with pytest.raises(GGUFFormatError, match="cut.gguf|truncated"):
+        load_gguf_target(tmp_path / "cut.gguf")
+    with pytest.raises(GGUFFormatError, match="general.architecture: 'gpt2'"):
+        load_gguf_target(write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2"))
+
+
+def test_tied_head_reads_the_embedding(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tied.gguf", tied=True)
+    target = load_gguf_target(path)
+    assert target.config.tie_word_embeddings
+    assert target.get_output_embeddings().weight is target.get_input_embeddings().weight
+    ref = reference_weights_from_gguf(path)
+    prompt = [5, 6, 7]
+    assert SpeculativeDecoder(target, make_policy("ar")).generate(prompt, 8).token_ids == greedy_reference(ref, prompt, 8)

@@ -1,0 +1,142 @@
+"""The GGUF block kernels (csrc/gguf_linear.h) against their written-out reference, gguf-py's own block
+decoder, and the row-invariance contract (every row of an M-row call equals its 1-row call bit for bit)."""
+import numpy as np
+import pytest
+import torch
+
+from gguf_models import random_blocks
+from taps_kernels.reference.gguf import (Q4_1, Q8_0, dequantize_blocks_reference, gguf_linear_reference,
+                                         quantize_activations_reference)
+
+_C = pytest.importorskip("taps_kernels._C")
+TYPES = [Q4_1, Q8_0]
+PATHS = ["scalar"] + (["vnni"] if _C.gguf_vnni_available() else [])
+
+
+def _raw(rows, cols, t, seed=0):
+    return torch.from_numpy(random_blocks(np.random.default_rng(seed), rows, cols, t))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_dequantize_matches_reference_and_gguf_py(t):
+    import gguf
+
+    raw = _raw(37, 160, t)
+    ours = _C.gguf_dequantize(raw, t, 160)
+    assert torch.equal(ours, dequantize_blocks_reference(raw, t, 160))
+    theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(t))
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs)).float())
+
+
+def test_quantize_activations_matches_reference():
+    x = torch.randn(7, 96) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(32)
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    x[2, 5] = float("inf")  # a non-finite block: scale NaN, codes 0
+    x[3, 70] = float("nan")
+    a, s, asum = _C.gguf_quantize_activations(x)
+    ra, rs, rasum = quantize_activations_reference(x)
+    assert torch.equal(a, ra) and torch.equal(asum, rasum)
+    assert torch.equal(torch.isnan(s), torch.isnan(rs)) and torch.equal(s.nan_to_num(), rs.nan_to_num())
+    assert s[1, 1] == 0 and torch.isnan(s[2, 0]) and torch.isnan(s[3, 2])
+    assert int(a.abs().max()) == 127
+
+
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("N,K", [(1, 32), (17, 96), (33, 160), (100, 64)])
+@pytest.mark.parametrize("M", [1, 3, 9, 17])
+@pytest.mark.parametrize("path", PATHS)
+def test_linear_matches_reference_bit_for_bit(t, N, K, M, path):
+    raw = _raw(N, K, t, seed=N * K + M)
+    x = torch.randn(M, K) * 3
+    y = _C.gguf_linear(x, _C.gguf_pack(raw, t, K), t, N, K, path)
+    assert torch.equal(_bits(y), _bits(gguf_linear_reference(x, raw, t)))
+    # and it is the product it claims to approximate: within the activation quantisation error
+    exact = x @ dequantize_blocks_reference(raw, t, K).T
+    step = x.abs().reshape(M, -1, 32).amax(-1).repeat_interleave(32, 1) / 127  # one code step per element
+    bound = (step / 2) @ dequantize_blocks_reference(raw, t, K).abs().T
+    assert ((y - exact).abs() <= bound * 1.001 + 1e-5).all()
+
+
+def row_invariance_violations(linear, K, rows_per_call=range(1, 65), seed=0):
+    """Calls where some row of an M-row call differs (in any bit) from the same row alone; rows are placed at
+    random positions among other random rows."""
+    g = torch.Generator().manual_seed(seed)
+    probe = torch.randn(8, K, generator=g) * 2
+    alone = [linear(probe[i:i + 1]) for i in range(len(probe))]
+    bad = []
+    for M in rows_per_call:
+        x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 10
+        where = torch.randperm(M, generator=g)[:min(M, len(probe))]
+        for j, r in enumerate(where.tolist()):
+            x[r] = probe[j]
+        y = linear(x)
+        for j, r in enumerate(where.tolist()):
+            if not torch.equal(_bits(y[r:r + 1]), _bits(alone[j])):
+                bad.append((M, r))
+    return bad
+
+
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("path", PATHS)
+def test_rows_do_not_depend_on_the_call(t, threads, path):
+    N, K = 50, 96
+    packed = _C.gguf_pack(_raw(N, K, t), t, K)
+    torch.set_num_threads(threads)
+    assert row_invariance_violations(lambda x: _C.gguf_linear(x, packed, t, N, K, path), K) == []
+
+
+def test_row_invariance_check_catches_a_kernel_that_depends_on_the_call():
+    # the planted kernel quantises activations with one scale per block over the whole call (as per-tensor
+    # int8 GEMMs do): a row's result then depends on the rows beside it, and the check must say so
+    N, K = 50, 96
+    raw = _raw(N, K, Q4_1)
+
+    w = dequantize_blocks_reference(raw, Q4_1, K).double()
+
+    def shared_scale(x):
+        peak = x.abs().reshape(x.shape[0], -1, 32).amax(-1).amax(0).repeat_interleave(32)  # [K] over all rows
+        q = torch.round(x * (127 / peak)) * (peak / 127)
+        return (q.double() @ w.T).float()
+
+    bad = row_invariance_violations(shared_scale, K, rows_per_call=range(1, 9))
+    assert len(bad) > 0
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_pack_of_smollm2_sizes_matches_reference(t):
+    # SmolLM2's shapes: [576 x 576] attention, [1536 x 576] MLP, [576 x 1536] down
+    for N, K in ((576, 576), (1536, 576), (576, 1536)):
+        raw = _raw(N, K, t, seed=N + K)
+        x = torch.randn(2, K)
+        y = _C.gguf_linear(x, _C.gguf_pack(raw, t, K), t, N, K)
+        assert torch.equal(_bits(y), _bits(gguf_linear_reference(x, raw, t)))
+
+
+def test_bad_inputs_name_the_argument():
+    raw = _raw(16, 64, Q4_1)
+    packed = _C.gguf_pack(raw, Q4_1, 64)
+    with pytest.raises(ValueError, match="GGML type 2 is not supported"):
+        _C.gguf_pack(raw, 2, 64)
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        _C.gguf_pack(raw[:, :-1].contiguous(), Q4_1, 64)  # truncated rows
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _C.gguf_pack(raw, Q4_1, 48)
+    with pytest.raises(ValueError, match="contiguous"):
+        _C.gguf_pack(torch.cat([raw, raw], 1)[:, ::2], Q4_1, 64)
+    with pytest.raises(TypeError, match="weight: expected dtype uint8"):
+        _C.gguf_pack(raw.to(torch.int32), Q4_1, 64)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        _C.gguf_linear(torch.randn(2, 32), packed, Q4_1, 16, 64)
+    with pytest.raises(TypeError, match="x: expected dtype float32"):
+        _C.gguf_linear(torch.randn(2, 64, dtype=torch.float64), packed, Q4_1, 16, 64)
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        _C.gguf_linear(torch.randn(2, 64), packed[:-1], Q4_1, 16, 64)  # packed bytes of another size
+    with pytest.raises(ValueError, match="path"):
+        _C.gguf_linear(torch.randn(2, 64), packed, Q4_1, 16, 64, "amx")
+    y = _C.gguf_linear(torch.randn(0, 64), packed, Q4_1, 16, 64)
+    assert y.shape == (0, 16)
