@@ -73,15 +73,18 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, const
   return out;
 }
 
-std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in) {
+std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, const std::string& path) {
+  if (path != "auto" && path != "scalar") {
+    throw py::value_error("path: expected 'auto' or 'scalar', received '" + path + "'");
+  }
   check_arg(x_in, "x", {at::kFloat}, {-1, -1});
   const int64_t M = x_in.size(0), K = check_cols(x_in.size(1), "x");
   const at::Tensor x = x_in.contiguous();
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({M, K / 32}, x.options());
   at::Tensor asum = at::empty({M, K / 32}, x.options().dtype(at::kInt));
-  taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                   asum.data_ptr<int32_t>());
+  (path == "scalar" ? taps::gguf::quantize_activations_scalar : taps::gguf::quantize_activations)(
+      x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(), asum.data_ptr<int32_t>());
   return {a, scale, asum};
 }
 
@@ -110,7 +113,11 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   py::gil_scoped_release no_gil;
-  taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data());
+  if (path == "scalar") {
+    taps::gguf::quantize_activations_scalar(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data());
+  } else {
+    taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data());
+  }
   const int64_t groups = (N + taps::gguf::kGroupRows - 1) / taps::gguf::kGroupRows;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (path == "scalar") {
@@ -280,7 +287,8 @@ void register_gguf(py::module& m) {
   m.def("gguf_dequantize", &gguf_dequantize, "raw GGUF rows [N, K/32*block_bytes] u8, GGML type, K -> [N, K] f32",
         py::arg("raw"), py::arg("type"), py::arg("cols"), py::arg("name") = "weight");
   m.def("gguf_quantize_activations", &gguf_quantize_activations,
-        "x [M, K] f32 -> [a [M, K] i8, scale [M, K/32] f32, asum [M, K/32] i32]", py::arg("x"));
+        "x [M, K] f32 -> [a [M, K] i8, scale [M, K/32] f32, asum [M, K/32] i32]; path 'auto' or 'scalar'",
+        py::arg("x"), py::arg("path") = "auto");
   m.def("gguf_linear", &gguf_linear, "x [M, K] f32, packed weight, GGML type, N, K, path -> [M, N] f32",
         py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("path") = "auto");
   m.def("gguf_vnni_available", &taps::gguf::vnni_available, "whether gguf_linear runs its AVX-512 VNNI path here");

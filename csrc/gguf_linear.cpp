@@ -110,7 +110,7 @@ void dequantize_blocks(BlockType t, const uint8_t* src, int64_t N, int64_t K, fl
   }
 }
 
-void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum) {
+void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum) {
   const int64_t KB = K / kBlock;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t kb = 0; kb < KB; ++kb) {
@@ -243,6 +243,41 @@ TAPS_VNNI_TARGET void group_q8_0(const uint8_t* rec, int64_t KB, int64_t K, cons
   for (int c = 0; c < MC; ++c) _mm512_mask_storeu_ps(y + c * ldy, store, acc[c]);
 }
 
+// quantize_activations on AVX-512: the same operations per element (max |x|, one IEEE multiply, round half
+// to even, the same scale division), so the same bits as the plain loop.
+TAPS_VNNI_TARGET void quantize_activations_avx512(const float* x, int64_t M, int64_t K, int8_t* a, float* scale,
+                                                  int32_t* asum) {
+  const int64_t KB = K / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const float* xb = x + m * K + kb * kBlock;
+      int8_t* ab = a + m * K + kb * kBlock;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+      // NaN compares unordered: a block with NaN or inf is flagged by "not <= FLT_MAX"
+      const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
+      const __mmask16 ok0 = _mm512_cmp_ps_mask(a0, big, _CMP_LE_OQ), ok1 = _mm512_cmp_ps_mask(a1, big, _CMP_LE_OQ);
+      if (ok0 != 0xFFFF || ok1 != 0xFFFF) {
+        std::memset(ab, 0, kBlock);
+        scale[m * KB + kb] = std::numeric_limits<float>::quiet_NaN();
+        asum[m * KB + kb] = 0;
+        continue;
+      }
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512 iv = _mm512_set1_ps(inv);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, iv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, iv));
+      const __m512i lim = _mm512_set1_epi32(127);
+      const __m512i c0 = _mm512_max_epi32(_mm512_min_epi32(q0, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+      const __m512i c1 = _mm512_max_epi32(_mm512_min_epi32(q1, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ab), _mm512_cvtepi32_epi8(c0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + 16), _mm512_cvtepi32_epi8(c1));
+      asum[m * KB + kb] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+      scale[m * KB + kb] = amax / 127.0f;
+    }
+  }
+}
+
 using GroupFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*, float*,
                          int64_t, __mmask16);
 
@@ -284,6 +319,16 @@ bool vnni_available() {
 #else
   return false;
 #endif
+}
+
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum) {
+#ifdef TAPS_HAVE_VNNI_PATH
+  if (vnni_available()) {
+    quantize_activations_avx512(x, M, K, a, scale, asum);
+    return;
+  }
+#endif
+  quantize_activations_scalar(x, M, K, a, scale, asum);
 }
 
 void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a, const float* scale,

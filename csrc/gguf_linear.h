@@ -51,6 +51,9 @@ void dequantize_blocks(BlockType t, const uint8_t* src, int64_t N, int64_t K, fl
 // A block whose amax is not finite gets scale = NaN (its outputs become NaN, never garbage ints).
 void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
 
+// The plain-loop quantiser (what quantize_activations runs without AVX-512); exposed for the tests.
+void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
+
 // y[m, n] for n in groups [g0, g1) (rows g*16 ... min(N, g*16+16)), all M rows; ldy is y's row stride.
 // Groups write disjoint columns of y, so callers may run group ranges in parallel.
 void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a, const float* scale,

@@ -267,6 +267,23 @@ def _cpu_int8_linear_backend() -> Tuple[str, str]:
     return "fbgemm", "int8 x uint8 GEMM with int32 sums: ~6x a bf16 head on this project's CPU"
 
 
+@functools.lru_cache(maxsize=None)
+def gguf_linear_backend() -> Tuple[str, str]:
+    """``(path, why)`` of the GGUF block kernels (``csrc/gguf_linear.h``) and the GGUF target's forward on this
+    CPU: ``"vnni"`` (AVX-512 VNNI), ``"scalar"`` (the same arithmetic in plain loops: exact, slow) or
+    ``"unavailable"``. AMX tiles are not used (no AMX kernel is implemented)."""
+    mod, why = load_extension("_C")
+    if mod is None:
+        return "unavailable", f"the C++ extension is not built ({why})"
+    flags = cpu_flags()
+    amx = "; this CPU has AMX-INT8, which no kernel here uses yet" if "amx_int8" in flags else ""
+    if not mod.gguf_forward_available():
+        return "unavailable", "the GGUF forward needs AVX-512F; use the fp32 target format"
+    if mod.gguf_vnni_available():
+        return "vnni", "vpdpbusd over Q4_1 / Q8_0 blocks, int8 activations per 32-block" + amx
+    return "scalar", "no AVX-512 VNNI here: the block kernels run their plain loops (same bits, slower)" + amx
+
+
 def int8_reduce_range() -> bool:
     """Whether int8 activations use 7 bits: without VNNI, fbgemm multiplies uint8 x int8 pairs through
     16-bit sums that can saturate at 8 bits; VNNI sums in 32 bits."""
@@ -339,6 +356,9 @@ def explain(op: Optional[str] = None, device="cpu", **context) -> str:
         lines.append(f"  {name}: {entry['backend']}{at} - {entry['why']}")
         for b, reason in entry["unavailable"].items():
             lines.append(f"      {b}: unavailable - {reason}")
+    if op is None and device.type == "cpu":
+        path, why = gguf_linear_backend()
+        lines.append(f"  gguf_linear (GGUF target format): {path} - {why}")
     return "\n".join(lines)
 
 

@@ -32,12 +32,13 @@ def test_dequantize_matches_reference_and_gguf_py(t):
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs)).float())
 
 
-def test_quantize_activations_matches_reference():
+@pytest.mark.parametrize("path", ["auto", "scalar"])
+def test_quantize_activations_matches_reference(path):
     x = torch.randn(7, 96) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(32)
     x[1, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
     x[2, 5] = float("inf")  # a non-finite block: scale NaN, codes 0
     x[3, 70] = float("nan")
-    a, s, asum = _C.gguf_quantize_activations(x)
+    a, s, asum = _C.gguf_quantize_activations(x, path)
     ra, rs, rasum = quantize_activations_reference(x)
     assert torch.equal(a, ra) and torch.equal(asum, rasum)
     assert torch.equal(torch.isnan(s), torch.isnan(rs)) and torch.equal(s.nan_to_num(), rs.nan_to_num())
@@ -140,3 +141,12 @@ def test_bad_inputs_name_the_argument():
         _C.gguf_linear(torch.randn(2, 64), packed, Q4_1, 16, 64, "amx")
     y = _C.gguf_linear(torch.randn(0, 64), packed, Q4_1, 16, 64)
     assert y.shape == (0, 16)
+
+
+def test_explain_names_the_gguf_path_this_cpu_runs():
+    import taps_kernels
+    from taps_kernels.backend import gguf_linear_backend
+
+    want = ("vnni" if _C.gguf_vnni_available() else "scalar") if _C.gguf_forward_available() else "unavailable"
+    assert gguf_linear_backend()[0] == want
+    assert f"gguf_linear (GGUF target format): {want} - " in taps_kernels.explain()

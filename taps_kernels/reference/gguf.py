@@ -92,3 +92,19 @@ def gguf_linear_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: int) ->
             blk = blk + m[None, :, kb] * asum[:, kb, None].float()
         acc = acc + blk * scale[:, kb, None]
     return acc
+
+
+def quantize_q8_0_reference(weight: torch.Tensor) -> torch.Tensor:
+    """Float rows ``[N, K]`` (``K`` a multiple of 32) -> Q8_0 GGUF rows ``[N, K/32 * 34] uint8``, as llama.cpp
+    quantises: per block ``d = fp16(max|w| / 127)``, ``q = round_half_even(w / d)`` clamped to [-127, 127]
+    (``q = 0`` where ``d = 0``)."""
+    N, K = weight.shape
+    if K % BLOCK:
+        raise ValueError(f"weight: expected a multiple of {BLOCK} columns, received {K}")
+    w = weight.detach().float().reshape(N, K // BLOCK, BLOCK)
+    d = (w.abs().amax(-1) / 127).to(torch.float16)
+    df = d.float()
+    q = torch.where(df[..., None] > 0, torch.round(w / df[..., None].clamp(min=torch.finfo(torch.float32).tiny)),
+                    torch.zeros_like(w)).clamp(-127, 127).to(torch.int8)
+    blk = torch.cat([d[..., None].view(torch.uint8).reshape(N, K // BLOCK, 2), q.view(torch.uint8)], dim=-1)
+    return blk.reshape(N, -1).contiguous()

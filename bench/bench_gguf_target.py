@@ -1,0 +1,143 @@
+"""The GGUF target on this CPU: (1) the block kernels over all of SmolLM2's 211 matrices at M rows, against
+torch fp32 / bf16 / int8 (fbgemm dynamic) linear layers over the same matrices and the streaming floor;
+(2) a target step (one thread, a prefix of ``--prefix`` tokens) of the GGUF forward against the fp32 HF
+target: decode (1 node) and verifies of n-node trees (chains and bushy trees).
+
+Prints both tables and writes JSON (default ``bench/results/gguf_target_cpu.json``); every record names the
+CPU and whether the VNNI path ran. Medians of repeated calls.
+"""
+import argparse
+import json
+import random
+import statistics
+import time
+
+import numpy as np
+import torch
+
+
+def _median_ms(fn, repeats):
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def _stream_floor_ms(nbytes: int, repeats: int) -> float:
+    """Time to read ``nbytes`` once (a uint8 sum over a buffer of that size: what streaming costs here)."""
+    buf = torch.ones(nbytes // 8, dtype=torch.int64)
+    return _median_ms(lambda: buf.sum(), repeats)
+
+
+def kernel_table(rows, repeats):
+    from gguf import GGUFReader
+
+    from taps.models.target import find_smollm2_gguf
+    from taps_kernels import _C
+
+    reader = GGUFReader(str(find_smollm2_gguf()))
+    mats, fp32 = [], []
+    for t in reader.tensors:
+        if int(t.tensor_type) not in (3, 8):
+            continue
+        raw = torch.from_numpy(np.array(t.data))
+        K = int(t.shape[0])
+        mats.append((_C.gguf_pack(raw, int(t.tensor_type), K), int(t.tensor_type), raw.shape[0], K))
+        fp32.append(_C.gguf_dequantize(raw, int(t.tensor_type), K))
+    nbytes = sum(m[0].numel() for m in mats)
+    macs = sum(n * k for _, _, n, k in mats)
+    bf16 = [w.bfloat16() for w in fp32]
+    int8 = [torch.ao.nn.quantized.dynamic.Linear(w.shape[1], w.shape[0], bias_=False) for w in fp32]
+    for mod, w in zip(int8, fp32):
+        mod.set_weight_bias(torch.quantize_per_channel(w, (w.abs().amax(1) / 127).clamp(min=1e-8),
+                                                       torch.zeros(w.shape[0], dtype=torch.int64), 0, torch.qint8), None)
+    floor = _stream_floor_ms(nbytes, repeats)
+    out = []
+    for M in rows:
+        xs = {K: torch.randn(M, K) for K in (576, 1536)}
+        xb = {K: x.bfloat16() for K, x in xs.items()}
+        rec = {"rows": M,
+               "gguf_ms": _median_ms(lambda: [_C.gguf_linear(xs[k], p, t, n, k) for p, t, n, k in mats], repeats),
+               "fp32_ms": _median_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in fp32], repeats),
+               "bf16_ms": _median_ms(lambda: [torch.nn.functional.linear(xb[w.shape[1]], w) for w in bf16], repeats),
+               "int8_fbgemm_ms": _median_ms(lambda: [m(xs[m.in_features]) for m in int8], repeats)}
+        rec["gguf_GBps"] = nbytes / rec["gguf_ms"] / 1e6
+        rec["gguf_GOPs"] = 2 * macs * M / rec["gguf_ms"] / 1e6
+        out.append(rec)
+    return {"matrices": len(mats), "bytes": nbytes, "stream_floor_ms": floor, "rows": out}
+
+
+def _tree(rng, n, chain):
+    from taps_kernels import Tree
+
+    parents = [-1] + [(i - 1 if chain else rng.randrange(max(0, i - 4), i)) for i in range(1, n)]
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    return Tree(torch.tensor([[rng.randrange(49152) for _ in range(n)]]), torch.tensor([parents], dtype=torch.int32),
+                torch.tensor([depth], dtype=torch.int32), torch.tensor([n], dtype=torch.int32))
+
+
+def step_table(nodes, prefix, repeats, with_fp32):
+    from taps.decode.verifier import make_verifier
+    from taps.models.target import load_target
+
+    layer_ids = [1, 8, 14, 20, 27]  # the shipped drafter's feature layers: a verify returns them too
+    targets = {"gguf": load_target("smollm2", target_format="gguf")[0]}
+    if with_fp32:
+        targets["fp32"] = load_target("smollm2", target_format="fp32")[0]
+    rng = random.Random(0)
+    prompt = torch.tensor([[rng.randrange(49152) for _ in range(prefix)]])
+    out = []
+    for fmt, model in targets.items():
+        v = make_verifier(model, layer_ids)
+        v.prefill(prompt, prefix + max(nodes) + 1)
+        for n in nodes:
+            for shape in (("chain", "tree") if n > 2 else ("chain",)):
+                tree = _tree(rng, n, shape == "chain")
+                out.append({"format": fmt, "nodes": n, "shape": shape,
+                            "ms": _median_ms(lambda: v.verify(tree), repeats)})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--nodes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--prefix", type=int, default=500)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 HF target in the step table")
+    ap.add_argument("--out", default="bench/results/gguf_target_cpu.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from taps.decode.latency import cpu_name
+    from taps_kernels import _C
+
+    torch.set_grad_enabled(False)
+    res = {"cpu": cpu_name(), "threads": args.threads, "vnni": bool(_C.gguf_vnni_available()),
+           "kernels": kernel_table([int(r) for r in args.rows.split(",")], args.repeats)}
+    k = res["kernels"]
+    print(f"# {res['cpu']}, {args.threads} thread(s), VNNI {res['vnni']}: all {k['matrices']} matrices of SmolLM2 "
+          f"({k['bytes'] / 1e6:.1f} MB of blocks; streaming them once: {k['stream_floor_ms']:.2f} ms)")
+    print(f"{'rows':>5} {'gguf ms':>8} {'GB/s':>6} {'GOP/s':>7} {'fp32 ms':>8} {'bf16 ms':>8} {'int8 ms':>8}")
+    for r in k["rows"]:
+        print(f"{r['rows']:>5} {r['gguf_ms']:>8.2f} {r['gguf_GBps']:>6.1f} {r['gguf_GOPs']:>7.0f} {r['fp32_ms']:>8.2f} "
+              f"{r['bf16_ms']:>8.2f} {r['int8_fbgemm_ms']:>8.2f}")
+    res["prefix"] = args.prefix
+    res["steps"] = step_table([int(n) for n in args.nodes.split(",")], args.prefix, args.repeats, not args.no_fp32)
+    print(f"\n# target step, prefix {args.prefix}: one verify forward (logits + the drafter's 5 feature layers)")
+    print(f"{'format':>6} {'nodes':>5} {'shape':>6} {'ms':>8} {'x decode':>8}")
+    base = {s["format"]: s["ms"] for s in res["steps"] if s["nodes"] == 1}
+    for s in res["steps"]:
+        print(f"{s['format']:>6} {s['nodes']:>5} {s['shape']:>6} {s['ms']:>8.2f} {s['ms'] / base[s['format']]:>8.2f}")
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
