@@ -194,12 +194,16 @@ class GGUFModel {
     }
     w_.embed = expect(matrix(embed, "embed", keep_), w_.vocab, H, "embed");
     w_.final_norm = vector_arg(py::cast(final_norm), "final_norm", H, keep_);
-    w_.head = expect(matrix(head, "head", keep_), w_.vocab, H, "head");
+    w_.head = matrix(head, "head", keep_);  // any number of rows: a draft vocabulary's head holds a subset
+    if (w_.head.cols != H) {
+      throw py::value_error("head: expected " + std::to_string(H) + " input columns, received " +
+                            std::to_string(w_.head.cols));
+    }
   }
 
   // tokens/positions [B, N] i64, prefix_lens/cache_rows [B] i64, bits [B, N, W] i32, keys/values: one
   // [R, kv_heads, capacity, head_dim] f32 per layer (written in place at prefix + j), feature_layers [F] i64,
-  // logit_rows [n] i64 -> (logits [n, vocab] f32, features [B, N, F * hidden] f32)
+  // logit_rows [n] i64 -> (logits [n, head rows] f32, features [B, N, F * hidden] f32)
   std::vector<at::Tensor> forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& prefix_lens,
                                   const at::Tensor& cache_rows, const at::Tensor& bits, const std::vector<at::Tensor>& keys,
                                   const std::vector<at::Tensor>& values, const at::Tensor& feature_layers,
@@ -242,7 +246,7 @@ class GGUFModel {
                               std::to_string(L) + "), received " + std::to_string(flp[s]));
       }
     }
-    at::Tensor logits = at::empty({lr.numel(), w_.vocab}, tokens.options().dtype(at::kFloat));
+    at::Tensor logits = at::empty({lr.numel(), w_.head.rows}, tokens.options().dtype(at::kFloat));
     at::Tensor feats = at::empty({B, N, fl.numel() * w_.hidden}, tokens.options().dtype(at::kFloat));
     taps::gguf::ForwardBatch f;
     f.B = B, f.N = N;

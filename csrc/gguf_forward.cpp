@@ -376,7 +376,7 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
     std::vector<float> sel(f.n_logit_rows * H);
     for (int64_t r = 0; r < f.n_logit_rows; ++r) std::memcpy(sel.data() + r * H, h.data() + f.logit_rows[r] * H, H * sizeof(float));
     qa.set(sel.data(), f.n_logit_rows, H, parallel);
-    linear(w.head, qa, f.logits, V, parallel);
+    linear(w.head, qa, f.logits, w.head.rows, parallel);
   }
 }
 #else

@@ -44,7 +44,7 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
   PackedMatrix embed;              // [vocab, hidden], Q8_0 or Q4_1 (rows are dequantised for the lookup)
   const float* final_norm = nullptr;
-  PackedMatrix head;               // [vocab, hidden] (the embedding again when tied)
+  PackedMatrix head;               // [head rows, hidden]: the embedding again when tied, or a vocabulary subset
 };
 
 // One forward over B rows of N new tokens each (M = B * N query rows, row index b * N + j).
@@ -67,7 +67,7 @@ struct ForwardBatch {
   float* features = nullptr;
   const int64_t* logit_rows = nullptr;   // [n_logit_rows] query rows whose logits are computed
   int64_t n_logit_rows = 0;
-  float* logits = nullptr;               // [n_logit_rows, vocab]
+  float* logits = nullptr;               // [n_logit_rows, head rows]
 };
 
 // Runs fn(begin, end) over [0, n) split into chunks (the caller's thread pool; chunking changes no bit).

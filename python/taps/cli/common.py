@@ -44,9 +44,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype of the drafter's vocabulary projection (auto: int8 on CPUs where fbgemm runs, "
                         "else bfloat16 on CPUs with native bf16, else the target's; proposals only, outputs are "
                         "unchanged)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto"] + sorted(DTYPES),
-                   help="dtype of the drafter's layers (auto: bfloat16 on CPUs with native bf16, else the "
-                        "target's; proposals only, outputs are unchanged)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "blocks"] + sorted(DTYPES),
+                   help="the drafter's layers (blocks: the whole draft pass through the GGUF block kernels, Q8_0 "
+                        "weights; auto: blocks on CPUs with AVX-512 VNNI, else bfloat16 on CPUs with native bf16, "
+                        "else float32; proposals only, outputs are unchanged)")
     p.add_argument("--short-blocks", action="store_true",
                    help="a policy drafting P < block_size-1 positions runs the drafter block [bonus, MASK x P] "
                         "instead of the trained one (cheaper layers; proposals change slightly, outputs do not)")
@@ -163,14 +164,12 @@ def load_drafter_cli(args, target_model):
         except ValueError as e:
             raise CLIError(f"--drafter {p} does not fit --target {args.target}: {_first_line(e)}") from None
     emb = target_model.get_input_embeddings().weight
-    # what pays for proposals on this device (None: as loaded); proposals only, never the generated tokens
-    body = getattr(args, "draft_dtype", "auto")
-    body_dtype = (drafter_mod.fast_body_dtype(emb.device) or emb.dtype) if body == "auto" else DTYPES[body]
-    drafter = drafter.to(device=emb.device, dtype=body_dtype).eval()
-    choice = getattr(args, "draft_head_dtype", "auto")
-    drafter.head_dtype = drafter_mod.fast_head_dtype(emb.device) if choice == "auto" else HEAD_DTYPES[choice]
-    drafter.short_blocks = bool(getattr(args, "short_blocks", False))
-    return drafter
+    try:
+        return drafter_mod.prepare_drafter(drafter, emb.device, body=getattr(args, "draft_dtype", "auto"),
+                                           head=getattr(args, "draft_head_dtype", "auto"),
+                                           short_blocks=bool(getattr(args, "short_blocks", False)))
+    except (ValueError, RuntimeError) as e:
+        raise CLIError(f"--draft-dtype {getattr(args, 'draft_dtype', 'auto')}: {_first_line(e)}") from None
 
 
 def _first_line(e: BaseException) -> str:

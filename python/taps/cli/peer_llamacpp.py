@@ -1,0 +1,281 @@
+"""llama.cpp as a peer for ``taps bench``: the same GGUF file, prompts, token counts and thread count.
+
+Optional: the tools come from ``scripts/build_llamacpp.sh`` (llama.cpp 0c1e570, vendored by the
+llama-cpp-python 0.3.36 sdist) and nothing in the test suite or CI needs them. Three rows:
+
+* ``llamacpp-decode`` -- ``llama-bench -p 0 -n N``: pure decode of N tokens from an empty context with
+  llama.cpp's default buffers (on AMX CPUs its repacked AMX buffer: its fastest decode, but that buffer
+  dies with SIGILL on any batch of 2+ tokens, so it cannot run a prompt there).
+* ``llamacpp`` -- ``llama-completion --no-repack``: end to end on the caller's prompt text (already
+  chat-templated; llama.cpp applies no template), greedy, at most N new tokens, stopping at EOS.
+* ``llamacpp-lookup`` -- ``llama-lookup --no-repack --spec-draft-n-max 8``: the same with llama.cpp's
+  n-gram prompt-lookup speculative decoding (greedy, so the text matches ``llamacpp``'s up to length).
+
+Tools are looked up in ``$TAPS_LLAMACPP_DIR`` and then ``$TAPS_CACHE/llamacpp/build/bin``
+(``$TAPS_CACHE`` defaults to ``~/.cache/taps``). Every command has a timeout; a failing one raises
+RuntimeError naming the tool, the command and the last lines of its stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from taps.paths import cache_root, portable_command
+
+TOOLS = ("llama-bench", "llama-completion", "llama-lookup")
+SDIST = "llama-cpp-python 0.3.36"
+DRAFT_N_MAX = 8
+TIMEOUT_S = 900
+
+ROW_DECODE = "llamacpp-decode (llama-bench, its default buffers)"
+ROW_COMPLETION = "llamacpp (llama-completion --no-repack)"
+ROW_LOOKUP = "llamacpp-lookup (llama-lookup --no-repack)"
+
+
+# ---------------------------------------------------------------------------------------------- tools
+
+def tool_dirs() -> List[Path]:
+    """Where :func:`find_llamacpp` looks, in order: ``$TAPS_LLAMACPP_DIR`` (and its ``bin/``), then the
+    build directory of ``scripts/build_llamacpp.sh``."""
+    out = []
+    env = os.environ.get("TAPS_LLAMACPP_DIR")
+    if env:
+        d = Path(env).expanduser()
+        out += [d, d / "bin", d / "build" / "bin"]
+    out.append(cache_root() / "llamacpp" / "build" / "bin")
+    return out
+
+
+def find_llamacpp() -> Optional[Dict[str, Path]]:
+    """``{"llama-bench": path, "llama-completion": path, "llama-lookup": path}`` from the first directory
+    of :func:`tool_dirs` holding all three executables, or None."""
+    for d in tool_dirs():
+        paths = {t: d / t for t in TOOLS}
+        if all(p.is_file() and os.access(p, os.X_OK) for p in paths.values()):
+            return paths
+    return None
+
+
+def require_llamacpp() -> Dict[str, Path]:
+    """:func:`find_llamacpp`, or RuntimeError saying where it looked and how to build the tools."""
+    tools = find_llamacpp()
+    if tools is None:
+        looked = ", ".join(str(d) for d in tool_dirs())
+        raise RuntimeError(f"llama.cpp tools {', '.join(TOOLS)} not found (looked in {looked}); build them "
+                           "with `bash scripts/build_llamacpp.sh` or set $TAPS_LLAMACPP_DIR to their directory")
+    return tools
+
+
+def _run(tool: str, argv: Sequence[str], timeout: float, cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run ``argv`` (stdin closed); RuntimeError on a timeout or a non-zero exit code."""
+    cmd = portable_command(argv)
+
+    def fail(why: str, stderr) -> RuntimeError:
+        if isinstance(stderr, bytes):
+            stderr = stderr.decode("utf-8", "replace")
+        tail = "\n".join((stderr or "").strip().splitlines()[-15:])
+        return RuntimeError(f"{tool} {why}: {cmd}\n--- last stderr lines ---\n{tail}")
+
+    try:
+        proc = subprocess.run([str(a) for a in argv], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout, cwd=cwd, errors="replace", text=True)
+    except subprocess.TimeoutExpired as e:
+        raise fail(f"timed out after {timeout:.0f} s", e.stderr) from None
+    except OSError as e:
+        raise fail(f"could not start ({e})", "") from None
+    if proc.returncode != 0:
+        raise fail(f"failed with exit code {proc.returncode}", proc.stderr)
+    return proc
+
+
+# -------------------------------------------------------------------------------------------- parsers
+
+def parse_bench_json(text: str) -> float:
+    """Decode tokens/s (``avg_ts``, mean over llama-bench's repetitions) of the ``-p 0 -n N`` test in
+    ``llama-bench -o json`` output."""
+    tests = [t for t in json.loads(text) if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0]
+    if not tests:
+        raise ValueError("llama-bench JSON has no decode-only (n_prompt 0, n_gen > 0) test")
+    return float(tests[0]["avg_ts"])
+
+
+def parse_bench_markdown(text: str) -> float:
+    """Decode tokens/s from llama-bench's markdown table (the ``tgN`` row's ``t/s`` column, mean part)."""
+    m = re.search(r"\|\s*tg\d+\s*\|\s*([0-9.]+)\s*±", text)
+    if not m:
+        raise ValueError("no tgN row in llama-bench's table")
+    return float(m.group(1))
+
+
+_NUM = r"([0-9]+(?:\.[0-9]+)?)"
+
+
+def parse_perf(stderr: str) -> Dict[str, float]:
+    """The ``*_perf_*print`` timing lines: ``prompt_ms``/``prompt_tokens`` (the prompt batch; in
+    llama.cpp every batch of 2+ tokens counts here) and ``eval_ms``/``eval_runs`` (single-token decode
+    calls). Missing lines raise ValueError."""
+    p = re.search(rf"prompt eval time =\s*{_NUM} ms /\s*(\d+) tokens", stderr)
+    e = re.search(rf"\s eval time =\s*{_NUM} ms /\s*(\d+) runs", stderr)
+    if not p or not e:
+        raise ValueError("no 'prompt eval time' / 'eval time' lines in the output")
+    return {"prompt_ms": float(p.group(1)), "prompt_tokens": int(p.group(2)),
+            "eval_ms": float(e.group(1)), "eval_runs": int(e.group(2))}
+
+
+def parse_lookup(stderr: str) -> Dict[str, float]:
+    """llama-lookup's summary: ``prompt_tokens``/``prompt_s`` (the ``encoded`` line; its printed speed is
+    not used, it divides by the final context length), ``n_predict``/``decode_s`` (the ``decoded`` line:
+    every generated token and the wall time of the whole draft-and-verify loop), ``n_drafted``,
+    ``n_accept``."""
+    enc = re.search(rf"encoded\s+(\d+) tokens in\s+{_NUM} seconds", stderr)
+    dec = re.search(rf"decoded\s+(\d+) tokens in\s+{_NUM} seconds", stderr)
+    drafted = re.search(r"n_drafted\s*=\s*(\d+)", stderr)
+    accept = re.search(r"n_accept\s*=\s*(\d+)", stderr)
+    if not (enc and dec and drafted and accept):
+        raise ValueError("no 'encoded'/'decoded'/'n_drafted'/'n_accept' lines in llama-lookup's output")
+    return {"prompt_tokens": int(enc.group(1)), "prompt_s": float(enc.group(2)),
+            "n_predict": int(dec.group(1)), "decode_s": float(dec.group(2)),
+            "n_drafted": int(drafted.group(1)), "n_accept": int(accept.group(1))}
+
+
+def parse_version(text: str) -> Optional[str]:
+    """The commit in ``version: <n> (<commit>)`` / ``build: <commit> (<n>)`` / ``commit <commit>`` lines."""
+    for pat in (r"version:\s*\d+\s*\(([0-9a-f]{6,40})\)", r"commit\s+([0-9a-f]{6,40})", r"build:\s*([0-9a-f]{6,40})"):
+        m = re.search(pat, text)
+        if m:
+            return m.group(1)
+    return None
+
+
+# -------------------------------------------------------------------------------------------- runners
+
+def version() -> Dict[str, Optional[str]]:
+    """``{"commit": ..., "source": ...}`` from ``llama-bench --version`` (commit None if it says none)."""
+    tools = require_llamacpp()
+    proc = _run("llama-bench", [tools["llama-bench"], "--version"], timeout=60)
+    return {"commit": parse_version(proc.stdout + proc.stderr), "source": f"{SDIST} sdist (vendor/llama.cpp)"}
+
+
+def bench_decode(gguf, threads: int, n_tokens: int, timeout: float = TIMEOUT_S) -> Dict:
+    """Pure decode: ``llama-bench -m gguf -t threads -p 0 -n n_tokens -o json`` with its default buffers.
+
+    Returns ``decode_tok_s`` (llama-bench's mean over its 5 repetitions of n_tokens decoded tokens,
+    one at a time, from an empty context) and ``command``."""
+    tools = require_llamacpp()
+    argv = [tools["llama-bench"], "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n_tokens), "-o", "json"]
+    proc = _run("llama-bench", argv, timeout)
+    try:
+        tok_s = parse_bench_json(proc.stdout)
+    except (ValueError, KeyError, TypeError):
+        tok_s = parse_bench_markdown(proc.stdout)
+    return {"decode_tok_s": tok_s, "n_tokens": n_tokens, "command": portable_command(argv)}
+
+
+def _strip(text: str, suffix: str) -> str:
+    return text[: -len(suffix)] if suffix and text.endswith(suffix) else text
+
+
+def completion_text(stdout: str) -> str:
+    """The generated text in llama-completion's stdout (``--no-display-prompt``): the tokens, then
+    `` [end of text]\\n`` if it stopped at EOS, then a blank line."""
+    return _strip(_strip(stdout, "\n\n"), " [end of text]\n")
+
+
+def lookup_text(stdout: str, prompt_text: str) -> str:
+    """The generated text in llama-lookup's stdout: a blank line, the prompt, the tokens (a final EOS is
+    printed as its special text, e.g. ``<|im_end|>``, and dropped here), two blank lines."""
+    out = _strip(_strip(stdout, "\n\n"), "\n\n")
+    out = out[2:] if out.startswith("\n\n") else out
+    out = out[len(prompt_text):] if out.startswith(prompt_text) else out
+    return re.sub(r"<\|[^|<>\s]+\|>$", "", out)
+
+
+def parse_generate(stdout: str, stderr: str, prompt_text: str, lookup: bool) -> Dict:
+    """The record of one :func:`generate` run from the tool's stdout and stderr (ValueError if the timing
+    lines are missing). See :func:`generate` for the fields."""
+    if lookup:
+        s = parse_lookup(stderr)
+        return {"text": lookup_text(stdout, prompt_text), "n_generated": s["n_predict"],
+                "prompt_tokens": s["prompt_tokens"], "prompt_s": s["prompt_s"],
+                "prompt_tok_s": s["prompt_tokens"] / s["prompt_s"],
+                "decode_tokens": s["n_predict"], "decode_s": s["decode_s"],
+                "decode_tok_s": s["n_predict"] / s["decode_s"],
+                "n_drafted": s["n_drafted"], "n_accept": s["n_accept"]}
+    p = parse_perf(stderr)
+    return {"text": completion_text(stdout), "n_generated": p["eval_runs"] + 1,
+            "prompt_tokens": p["prompt_tokens"], "prompt_s": p["prompt_ms"] / 1e3,
+            "prompt_tok_s": 1e3 * p["prompt_tokens"] / p["prompt_ms"],
+            "decode_tokens": p["eval_runs"], "decode_s": p["eval_ms"] / 1e3,
+            "decode_tok_s": 1e3 * p["eval_runs"] / p["eval_ms"]}
+
+
+def generate(gguf, prompt_text: str, n_tokens: int, threads: int, lookup: bool = False,
+             timeout: float = TIMEOUT_S) -> Dict:
+    """Greedy end-to-end generation of at most ``n_tokens`` new tokens (EOS stops it) on ``prompt_text``
+    (already chat-templated: no template is applied here), with ``--no-repack``.
+
+    ``lookup=False``: llama-completion. ``lookup=True``: llama-lookup with ``--spec-draft-n-max 8`` (it
+    finishes the accepted draft it is in, so it may return up to 8 tokens more than ``n_tokens``).
+
+    Returns ``text`` (the new text, without EOS); ``n_generated`` (sampled new tokens, EOS included);
+    ``prompt_tokens``, ``prompt_s``, ``prompt_tok_s`` (the prefill); ``decode_tokens``, ``decode_s``,
+    ``decode_tok_s`` (the decode phase): for llama-completion its ``eval time`` line (single-token
+    decode calls: n_generated - 1 of them, the first new token comes out of the prefill), for
+    llama-lookup its ``decoded`` line (all n_generated tokens over the whole draft-and-verify loop; its
+    ``eval time`` line leaves out the verify batches, which llama.cpp books as prompt eval);
+    ``n_drafted``/``n_accept`` (lookup only); ``command`` (the prompt file written as PROMPT.txt)."""
+    tools = require_llamacpp()
+    tool = "llama-lookup" if lookup else "llama-completion"
+    with tempfile.TemporaryDirectory(prefix="taps-llamacpp-") as tmp:
+        prompt_file = Path(tmp) / "prompt.txt"
+        # `-f` drops one trailing newline (chat templates end in one): write one more. `--no-escape`: the
+        # text is taken as is (by default llama.cpp turns a literal backslash-n into a newline).
+        prompt_file.write_text(prompt_text + "\n", encoding="utf-8")
+        argv = [tools[tool], "-m", str(gguf), "-f", str(prompt_file), "--no-escape", "-n", str(n_tokens),
+                "-t", str(threads), "-tb", str(threads), "--temp", "0", "--seed", "0", "--no-repack"]
+        argv += ["--spec-draft-n-max", str(DRAFT_N_MAX)] if lookup else ["-no-cnv", "--no-display-prompt"]
+        proc = _run(tool, argv, timeout, cwd=tmp)
+    command = portable_command([a if a != str(prompt_file) else "PROMPT.txt" for a in argv])
+    try:
+        rec = parse_generate(proc.stdout, proc.stderr, prompt_text, lookup)
+    except ValueError as e:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"{tool}: {e}: {command}\n--- last stderr lines ---\n{tail}") from None
+    rec["command"] = command
+    return rec
+
+
+def peer_rows(gguf, prompts_text: Sequence[str], n_tokens: int, threads: int,
+              timeout: float = TIMEOUT_S) -> List[Dict]:
+    """The three llama.cpp rows for ``taps bench`` on the same GGUF, prompts, token count and threads.
+
+    Each row: ``name``; ``tok_s``, decode tokens/s: for ``llamacpp-decode`` llama-bench's own mean (no
+    prompt), for the end-to-end rows the sum over prompts of ``decode_tokens`` over the sum of
+    ``decode_s`` (the prefill and its first token excluded); ``prompt_tok_s`` (sum of prompt tokens over
+    sum of prefill seconds); ``n_generated`` (sum over prompts); ``per_prompt`` (each :func:`generate`
+    record, ``text`` included); ``llamacpp_commit``, ``source``, ``cpu``, ``threads``, ``n_tokens``,
+    ``gguf`` (a portable path) and the exact ``commands``."""
+    from taps.decode.latency import cpu_name
+
+    require_llamacpp()
+    ver = version()
+    common = {"llamacpp_commit": ver["commit"], "source": ver["source"], "cpu": cpu_name(),
+              "threads": threads, "n_tokens": n_tokens, "gguf": portable_command([gguf])}
+    dec = bench_decode(gguf, threads, n_tokens, timeout)
+    rows = [{"name": ROW_DECODE, "tok_s": dec["decode_tok_s"], "prompt_tok_s": None, "n_generated": None,
+             "per_prompt": [], **common, "commands": [dec["command"]]}]
+    for name, lookup in ((ROW_COMPLETION, False), (ROW_LOOKUP, True)):
+        recs = [generate(gguf, p, n_tokens, threads, lookup=lookup, timeout=timeout) for p in prompts_text]
+        dec_s = sum(r["decode_s"] for r in recs)
+        pre_s = sum(r["prompt_s"] for r in recs)
+        rows.append({"name": name,
+                     "tok_s": sum(r["decode_tokens"] for r in recs) / dec_s if dec_s > 0 else None,
+                     "prompt_tok_s": sum(r["prompt_tokens"] for r in recs) / pre_s if pre_s > 0 else None,
+                     "n_generated": sum(r["n_generated"] for r in recs),
+                     "per_prompt": recs, **common, "commands": [r["command"] for r in recs]})
+    return rows

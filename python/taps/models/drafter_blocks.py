@@ -1,0 +1,118 @@
+"""The DFlash drafter's draft pass through the GGUF block forward (``csrc/gguf_forward.h``): its layers in
+Q8_0 blocks (weights quantised per 32-block, activations per row and 32-block), the target's embedding rows
+and the draft vocabulary's head rows in Q8_0, the whole pass one C++ call.
+
+A drafter layer is a Qwen3 decoder layer (q/k norms, RoPE, GQA, SwiGLU) whose block rows attend to the row's
+context K/V and to each other (bidirectionally): exactly the forward's visibility with the context as the
+prefix and every block node visible to every other. The context K/V are still written by
+:meth:`taps.models.drafter.DFlashDrafter.append_context` in PyTorch, through the same Q8_0 projections
+(:func:`enable_block_draft` swaps the layers' linear modules for :class:`BlockLinear`, whose packed weights
+this forward reads), so context and block rows are projected alike.
+
+Draft logits only propose tokens; the target verifies them, so none of this changes a generated token.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from taps_kernels.integrations.block_linear import BlockLinear, use_block_linear
+from taps_kernels.reference.gguf import Q8_0, quantize_q8_0_reference
+
+
+def block_draft_available() -> bool:
+    """Whether the block forward runs here (AVX-512 with VNNI: the plain loops would be slower than torch)."""
+    try:
+        from taps_kernels import _C
+    except ImportError:
+        return False
+    return bool(_C.gguf_forward_available() and _C.gguf_vnni_available())
+
+
+def _packed(m: BlockLinear):
+    return (m.packed, Q8_0, m.out_features, m.in_features)
+
+
+class BlockDraft:
+    """The packed model of one drafter (built by :func:`enable_block_draft`); :meth:`draft` replaces the
+    PyTorch layers of :meth:`DFlashDrafter.draft`."""
+
+    def __init__(self, drafter):
+        from taps_kernels import _C
+
+        self._C = _C
+        self.drafter = drafter
+        c = drafter.config
+        self.layers = []
+        for layer in drafter.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.layers.append({"attn_norm": layer.input_layernorm.weight.detach().float().contiguous(),
+                                "ffn_norm": layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                                "q_norm": a.q_norm.weight.detach().float().contiguous(),
+                                "k_norm": a.k_norm.weight.detach().float().contiguous(),
+                                "q": _packed(a.q_proj), "k": _packed(a.k_proj), "v": _packed(a.v_proj),
+                                "o": _packed(a.o_proj), "gate": _packed(mlp.gate_proj), "up": _packed(mlp.up_proj),
+                                "down": _packed(mlp.down_proj)})
+        self.final_norm = drafter.norm.weight.detach().float().contiguous()
+        self.config = {"hidden": c.hidden_size, "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
+                       "head_dim": c.head_dim, "ffn": c.intermediate_size, "vocab": c.vocab_size,
+                       "rms_eps": float(c.rms_norm_eps), "rope_base": float(c.rope_theta)}
+        self._model = None
+        self._key = None
+        self._last = torch.tensor([len(self.layers) - 1], dtype=torch.int64)
+
+    def _bind(self, embed_tokens, lm_head) -> None:
+        """(Re)build the packed model for this embedding / head / draft vocabulary (cached by identity)."""
+        ew, hw, ids = embed_tokens.weight, lm_head.weight, self.drafter.draft_vocab
+        key = (ew.data_ptr(), ew._version, hw.data_ptr(), hw._version,
+               None if ids is None else (ids.data_ptr(), ids.numel()))
+        if key == self._key:
+            return
+        H = self.config["hidden"]
+        embed = (self._C.gguf_pack(quantize_q8_0_reference(ew.detach().float()), Q8_0, H, "embed"), Q8_0,
+                 ew.shape[0], H)
+        rows = hw.detach().float() if ids is None else hw.detach().float().index_select(0, ids.to(hw.device))
+        head = (self._C.gguf_pack(quantize_q8_0_reference(rows), Q8_0, H, "head"), Q8_0, rows.shape[0], H)
+        self._model = self._C.GGUFModel(self.config, self.layers, embed, self.final_norm, head)
+        self._key = key
+
+    @torch.no_grad()
+    def draft(self, state, sl: slice, bonus_tokens: torch.Tensor, embed_tokens, lm_head, P: int, S: int,
+              full: bool):
+        """Same contract as :meth:`DFlashDrafter.draft` for state rows ``sl`` (``S`` block rows, ``P``
+        projected positions)."""
+        self._bind(embed_tokens, lm_head)
+        d = self.drafter
+        B = bonus_tokens.shape[0]
+        ids = torch.full((B, S), d.mask_token_id, dtype=torch.int64)
+        ids[:, 0] = bonus_tokens
+        lengths = state.lengths[sl].contiguous()
+        pos = lengths[:, None] + torch.arange(S)
+        bits = torch.full((B, S, (S + 31) // 32), -1, dtype=torch.int32)  # every block row sees every other
+        if S % 32:
+            bits[..., -1] = (1 << (S % 32)) - 1
+        logit_rows = (torch.arange(B)[:, None] * S + torch.arange(1, P + 1)[None, :]).reshape(-1)
+        logits, feats = self._model.forward(ids, pos, lengths, torch.arange(sl.start, sl.start + B),
+                                            bits, state.k_buf, state.v_buf, self._last, logit_rows)
+        hidden = feats[:, 1:1 + P]
+        logits = logits.view(B, P, -1)
+        vocab = d.draft_vocab
+        if vocab is None or not full:
+            return logits, hidden
+        out = logits.new_full((B, P, lm_head.weight.shape[0]), float("-inf"))
+        out.index_copy_(2, vocab, logits)
+        return out, hidden
+
+
+def enable_block_draft(drafter) -> "BlockDraft":
+    """Switch ``drafter`` (float32, on the CPU) to block drafting: its layers' linear modules become
+    :class:`BlockLinear` (Q8_0) and :meth:`DFlashDrafter.draft` runs :class:`BlockDraft`. ``fc`` (the
+    context features, whose outlier channels int8 activations would destroy) stays in float32."""
+    if next(drafter.parameters()).dtype != torch.float32 or next(drafter.parameters()).device.type != "cpu":
+        raise ValueError("drafter: block drafting needs a float32 drafter on the CPU")
+    if not block_draft_available():
+        raise RuntimeError("block drafting needs a CPU with AVX-512 VNNI (taps_kernels.explain())")
+    use_block_linear(drafter.layers)
+    drafter.block_draft = BlockDraft(drafter)
+    return drafter.block_draft
