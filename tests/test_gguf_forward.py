@@ -211,3 +211,63 @@ def test_tied_head_reads_the_embedding(tmp_path):
     ref = reference_weights_from_gguf(path)
     prompt = [5, 6, 7]
     assert SpeculativeDecoder(target, make_policy("ar")).generate(prompt, 8).token_ids == greedy_reference(ref, prompt, 8)
+
+
+def _block_drafter(seed=2):
+    from taps.models.drafter import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(seed)
+    cfg = DFlashConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                       num_hidden_layers=2, vocab_size=VOCAB, block_size=5, num_target_layers=LAYERS,
+                       target_layer_ids=list(FEATURES), mask_token_id=VOCAB - 1, rope_theta=10000.0)
+    return DFlashDrafter(cfg).eval()
+
+
+def test_block_draft_equals_the_torch_layers_on_the_same_blocks(tiny):
+    import copy
+
+    from taps.models.drafter_blocks import enable_block_draft
+    from taps_kernels.integrations.block_linear import use_block_linear
+
+    target, _ = tiny
+    torch_q8 = _block_drafter()
+    blocks = copy.deepcopy(torch_q8)
+    use_block_linear(torch_q8.layers)  # the same Q8_0 weights, run by the PyTorch layers
+    enable_block_draft(blocks)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    feats = torch.randn(2, 9, 2 * 64)
+    outs = []
+    for d in (torch_q8, blocks):
+        st = d.new_state(2)
+        d.append_context(st, feats[:, :6])
+        d.append_context(st, feats[1:, 6:], rows=slice(1, 2))  # rows of different context lengths
+        outs.append(d.draft(st, torch.tensor([3, 9]), embed, head, num_positions=3))
+    (lt, ht), (lb, hb) = outs
+    assert torch.allclose(hb, ht, rtol=1e-4, atol=1e-4 * ht.abs().max())
+    # the block path's head also quantises its activations: logits agree to that rounding
+    assert torch.allclose(lb, lt, atol=0.02 * lt.abs().max())
+
+
+@pytest.mark.parametrize("spec", ["dflash", "ddtree:6"])
+def test_block_drafter_decodes_losslessly(tiny, spec):
+    from taps.models.drafter import prepare_drafter
+
+    target, ref = tiny
+    drafter = prepare_drafter(_block_drafter(), "cpu", body="blocks")
+    assert drafter.block_draft is not None
+    rng = random.Random(11)
+    for _ in range(2):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
+        got = SpeculativeDecoder(target, make_policy(spec), drafter=drafter).generate(prompt, 20)
+        assert got.token_ids == greedy_reference(ref, prompt, 20)
+
+
+def test_prepare_drafter_falls_back_where_blocks_do_not_fit():
+    from taps.models.drafter import prepare_drafter
+
+    d = prepare_drafter(tiny_drafter(vocab=VOCAB, target_layers=LAYERS), "cpu")  # intermediate 48: not whole blocks
+    assert d.block_draft is None
+    with pytest.raises(ValueError, match="block drafting: hidden, intermediate"):
+        prepare_drafter(tiny_drafter(vocab=VOCAB, target_layers=LAYERS), "cpu", body="blocks")
+    with pytest.raises(ValueError, match="body: expected one of"):
+        prepare_drafter(tiny_drafter(vocab=VOCAB, target_layers=LAYERS), "cpu", body="int4")

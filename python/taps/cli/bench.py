@@ -74,6 +74,10 @@ def _add_flags(p, suite: bool) -> None:
     p.add_argument("--hf-prompt-lookup", type=positive_int, default=None, metavar="N",
                    help="greedy runs: also time HF generate with prompt-lookup decoding, prompt_lookup_num_tokens=N "
                         "(row hf-pld:N; default off)")
+    p.add_argument("--peer", choices=("llamacpp",), default=None,
+                   help="also run llama.cpp on the same GGUF, first turns, token count and threads (rows: its "
+                        "llama-bench decode, llama-completion --no-repack, llama-lookup; build it with "
+                        "scripts/build_llamacpp.sh)")
     p.add_argument("--warmup", type=int, default=1, help="short warm-up generations per policy (default 1)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="run each policy with this many requests at once (batched decoder, continuous batching)")
@@ -195,6 +199,9 @@ def summarize(results: Dict[str, List[dict]]) -> Dict[str, dict]:
             for k, v in r.get("time_split", {}).items():
                 split[k] = split.get(k, 0.0) + v
         total = sum(r["seconds"] for r in recs)
+        # the prefill of every turn and the token it gives excluded: what a decode-only figure (llama-bench's) counts
+        decode_s = total - split.get("prefill", 0.0)
+        decode_tokens = sum(r["new_tokens"] - len(r.get("turns", ())) for r in recs)
         out[spec] = {
             "prompts": len(recs),
             "new_tokens": sum(r["new_tokens"] for r in recs),
@@ -202,6 +209,7 @@ def summarize(results: Dict[str, List[dict]]) -> Dict[str, dict]:
             "tau": accepted / rounds if rounds else None,
             "tokens_per_s_median": statistics.median(tps),
             "tokens_per_s_mean": statistics.fmean(tps),
+            "decode_tokens_per_s": decode_tokens / decode_s if "prefill" in split and decode_s > 0 else None,
             "speedup": ar_spt / spt if spt == spt and spt > 0 else None,
             "nodes_per_round": sum(r.get("nodes", 0) for r in recs) / rounds if rounds else None,
             "rounds": rounds,
@@ -226,6 +234,32 @@ def format_table(summary: Dict[str, dict]) -> str:
         lines.append(f"{spec:<14}{tau:>6}{s['tokens_per_s_median']:>11.2f}{s['tokens_per_s_mean']:>11.2f}{sp:>9}"
                      f"{nodes:>9}{s['identical_to_ar']:>7}/{s['prompts']:<4}  {split}")
     return "\n".join(lines)
+
+
+def _llamacpp_peer(args, tok, items, summary: Dict[str, dict], log) -> List[dict]:
+    """llama.cpp's rows on the first turns of ``items`` (same GGUF, token count and threads), printed beside
+    our decode-only tokens/s (:mod:`taps.cli.peer_llamacpp`)."""
+    import torch
+
+    from taps.models.target import SMOLLM2_NAMES, find_smollm2_gguf
+
+    from . import peer_llamacpp
+    from .common import encode_prompt
+
+    gguf = find_smollm2_gguf() if args.target in SMOLLM2_NAMES else Path(args.target)
+    texts = [tok.decode(encode_prompt(tok, it.turns[0], raw=it.raw)) for it in items]
+    try:
+        rows = peer_llamacpp.peer_rows(gguf, texts, args.max_new_tokens, torch.get_num_threads())
+    except RuntimeError as e:
+        raise CLIError(f"--peer llamacpp: {e}") from None
+    log(f"llama.cpp {rows[0]['llamacpp_commit']} on {rows[0]['cpu']}, {rows[0]['threads']} thread(s), first turns "
+        f"of {len(texts)} prompts, {args.max_new_tokens} tokens: decode tokens/s (prefill and its token excluded)")
+    for r in rows:
+        log(f"  {r['name']:<48} {r['tok_s']:8.2f}")
+    for spec, s in summary.items():
+        if s.get("decode_tokens_per_s"):
+            log(f"  ours: {spec:<42} {s['decode_tokens_per_s']:8.2f}  (all turns)")
+    return rows
 
 
 def _hist(values):
@@ -499,6 +533,9 @@ def run(args) -> int:
                 chosen = [run["best_ddtree"] if s == "ddtree-best" else s for s in t1]
                 specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
                 block(run["dataset"], datasets[run["dataset"]][: args.t1_limit], specs1, t1_sampling, 0, False)
+        if args.peer == "llamacpp":
+            out["peers"] = {ds: _llamacpp_peer(args, tok, items, run["policies"], log)
+                            for (ds, items), run in zip(datasets.items(), first) if batch_sizes is None}
     finally:
         if sink is not sys.stdout:
             sink.close()

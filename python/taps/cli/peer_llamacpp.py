@@ -203,8 +203,8 @@ def parse_generate(stdout: str, stderr: str, prompt_text: str, lookup: bool) -> 
         return {"text": lookup_text(stdout, prompt_text), "n_generated": s["n_predict"],
                 "prompt_tokens": s["prompt_tokens"], "prompt_s": s["prompt_s"],
                 "prompt_tok_s": s["prompt_tokens"] / s["prompt_s"],
-                "decode_tokens": s["n_predict"], "decode_s": s["decode_s"],
-                "decode_tok_s": s["n_predict"] / s["decode_s"],
+                "decode_tokens": s["n_predict"] - 1, "decode_s": s["decode_s"],
+                "decode_tok_s": (s["n_predict"] - 1) / s["decode_s"],
                 "n_drafted": s["n_drafted"], "n_accept": s["n_accept"]}
     p = parse_perf(stderr)
     return {"text": completion_text(stdout), "n_generated": p["eval_runs"] + 1,
@@ -223,11 +223,11 @@ def generate(gguf, prompt_text: str, n_tokens: int, threads: int, lookup: bool =
     finishes the accepted draft it is in, so it may return up to 8 tokens more than ``n_tokens``).
 
     Returns ``text`` (the new text, without EOS); ``n_generated`` (sampled new tokens, EOS included);
-    ``prompt_tokens``, ``prompt_s``, ``prompt_tok_s`` (the prefill); ``decode_tokens``, ``decode_s``,
-    ``decode_tok_s`` (the decode phase): for llama-completion its ``eval time`` line (single-token
-    decode calls: n_generated - 1 of them, the first new token comes out of the prefill), for
-    llama-lookup its ``decoded`` line (all n_generated tokens over the whole draft-and-verify loop; its
-    ``eval time`` line leaves out the verify batches, which llama.cpp books as prompt eval);
+    ``prompt_tokens``, ``prompt_s``, ``prompt_tok_s`` (the prefill); ``decode_tokens`` (n_generated - 1:
+    the first new token comes out of the prefill's logits), ``decode_s`` and ``decode_tok_s`` (the
+    decode phase): for llama-completion the ``eval time`` line (its single-token decode calls), for
+    llama-lookup the wall time of the ``decoded`` line (the whole draft-and-verify loop; its ``eval
+    time`` line leaves out the verify batches, which llama.cpp books as prompt eval);
     ``n_drafted``/``n_accept`` (lookup only); ``command`` (the prompt file written as PROMPT.txt)."""
     tools = require_llamacpp()
     tool = "llama-lookup" if lookup else "llama-completion"

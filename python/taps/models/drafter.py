@@ -463,7 +463,7 @@ def prepare_drafter(drafter: "DFlashDrafter", device, body: str = "auto", head: 
     one C++ call, ~2 ms against ~6 ms for bf16 layers here), else :func:`fast_body_dtype` (or the drafter's
     float32); ``head`` (PyTorch layers only): ``auto`` = :func:`fast_head_dtype`, or a dtype name / ``int8``.
     """
-    from .drafter_blocks import block_draft_available, enable_block_draft
+    from .drafter_blocks import block_draft_available, block_draft_unsupported, enable_block_draft
 
     if body not in DRAFT_BODIES:
         raise ValueError(f"body: expected one of {DRAFT_BODIES}, received {body!r}")
@@ -471,7 +471,8 @@ def prepare_drafter(drafter: "DFlashDrafter", device, body: str = "auto", head: 
         raise ValueError(f"head: expected one of {DRAFT_HEADS}, received {head!r}")
     dev = torch.device(device)
     if body == "auto":
-        body = "blocks" if dev.type == "cpu" and block_draft_available() else \
+        blocks = dev.type == "cpu" and block_draft_available() and not block_draft_unsupported(drafter.config)
+        body = "blocks" if blocks else \
             str(fast_body_dtype(dev) or torch.float32).replace("torch.", "")
     drafter = drafter.to(device=dev, dtype=torch.float32 if body == "blocks" else getattr(torch, body)).eval()
     drafter.short_blocks = bool(short_blocks)

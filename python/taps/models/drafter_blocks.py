@@ -1,6 +1,7 @@
 """The DFlash drafter's draft pass through the GGUF block forward (``csrc/gguf_forward.h``): its layers in
 Q8_0 blocks (weights quantised per 32-block, activations per row and 32-block), the target's embedding rows
-and the draft vocabulary's head rows in Q8_0, the whole pass one C++ call.
+and the draft vocabulary's head rows in Q8_0 (a GGUF target's own blocks where it has them; else its float rows quantised), the whole pass one C++
+call.
 
 A drafter layer is a Qwen3 decoder layer (q/k norms, RoPE, GQA, SwiGLU) whose block rows attend to the row's
 context K/V and to each other (bidirectionally): exactly the forward's visibility with the context as the
@@ -28,6 +29,22 @@ def block_draft_available() -> bool:
     except ImportError:
         return False
     return bool(_C.gguf_forward_available() and _C.gguf_vnni_available())
+
+
+def block_draft_unsupported(config) -> str:
+    """Why a drafter of ``config`` cannot run the block forward ("" when it can): its shapes must be whole
+    blocks (hidden, heads x head_dim and intermediate sizes multiples of 32), head_dim a multiple of 16 up to
+    128, at most 8 query heads per KV head."""
+    c = config
+    if c.hidden_size % 32 or c.intermediate_size % 32 or (c.num_attention_heads * c.head_dim) % 32:
+        return "hidden, intermediate and heads x head_dim sizes must be multiples of 32"
+    if c.head_dim % 16 or c.head_dim > 128:
+        return f"head_dim {c.head_dim}: expected a multiple of 16, at most 128"
+    if c.num_attention_heads % c.num_key_value_heads or c.num_attention_heads // c.num_key_value_heads > 8:
+        return "query heads must be a multiple of the KV heads, at most 8x"
+    if getattr(c, "attention_bias", False):
+        return "attention biases are not supported"
+    return ""
 
 
 def _packed(m: BlockLinear):
@@ -70,10 +87,15 @@ class BlockDraft:
         if key == self._key:
             return
         H = self.config["hidden"]
-        embed = (self._C.gguf_pack(quantize_q8_0_reference(ew.detach().float()), Q8_0, H, "embed"), Q8_0,
-                 ew.shape[0], H)
-        rows = hw.detach().float() if ids is None else hw.detach().float().index_select(0, ids.to(hw.device))
-        head = (self._C.gguf_pack(quantize_q8_0_reference(rows), Q8_0, H, "head"), Q8_0, rows.shape[0], H)
+        blocks = getattr(embed_tokens, "gguf_blocks", None)  # a GGUF target's own blocks: used as they are
+        raw, t = blocks if blocks is not None else (quantize_q8_0_reference(ew.detach().float()), Q8_0)
+        if blocks is not None and hw is ew:  # tied head: the same blocks' rows
+            head_raw, ht = (raw if ids is None else raw.index_select(0, ids.cpu()).contiguous()), t
+        else:
+            rows = hw.detach().float() if ids is None else hw.detach().float().index_select(0, ids.to(hw.device))
+            head_raw, ht = quantize_q8_0_reference(rows), Q8_0
+        embed = (self._C.gguf_pack(raw, t, H, "embed"), t, raw.shape[0], H)
+        head = (self._C.gguf_pack(head_raw, ht, H, "head"), ht, head_raw.shape[0], H)
         self._model = self._C.GGUFModel(self.config, self.layers, embed, self.final_norm, head)
         self._key = key
 
@@ -113,6 +135,9 @@ def enable_block_draft(drafter) -> "BlockDraft":
         raise ValueError("drafter: block drafting needs a float32 drafter on the CPU")
     if not block_draft_available():
         raise RuntimeError("block drafting needs a CPU with AVX-512 VNNI (taps_kernels.explain())")
+    why = block_draft_unsupported(drafter.config)
+    if why:
+        raise ValueError(f"drafter: block drafting: {why}")
     use_block_linear(drafter.layers)
     drafter.block_draft = BlockDraft(drafter)
     return drafter.block_draft

@@ -90,6 +90,8 @@ class GGUFTarget(torch.nn.Module):
             raw, ggml_type = self._embed_raw
             w = _C.gguf_dequantize(raw, ggml_type, int(self.config.hidden_size), "token_embd.weight")
             self._embed_module = torch.nn.Embedding.from_pretrained(w, freeze=True)
+            # the blocks themselves, for block kernels that read this table (the drafter's block forward)
+            self._embed_module.gguf_blocks = self._embed_raw
         return self._embed_module
 
     def get_output_embeddings(self) -> torch.nn.Linear:
