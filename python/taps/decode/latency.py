@@ -39,9 +39,7 @@ import torch
 
 from taps_kernels import Tree
 
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TAPS_CACHE", "~/.cache/taps")).expanduser()
+from ..paths import cache_root
 
 
 def cpu_name() -> str:

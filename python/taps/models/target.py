@@ -19,15 +19,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..paths import cache_root
+
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct", "SmolLM2-135M-Instruct")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
-
-
-def cache_root() -> Path:
-    """``$TAPS_CACHE`` or ``~/.cache/taps``."""
-    env = os.environ.get("TAPS_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "taps"
 
 
 def smollm2_cache_dir() -> Path:
