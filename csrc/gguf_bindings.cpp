@@ -49,25 +49,25 @@ const taps::gguf::ParallelFor& torch_parallel() {
   return pf;
 }
 
-// raw [N, K/32 * block_bytes] uint8 (GGUF rows as stored) -> packed uint8 [packed_bytes]
-at::Tensor gguf_pack(const at::Tensor& raw, int64_t type, int64_t K, const std::string& name) {
+// Checks GGUF rows raw [N, K/32 * block_bytes] uint8 (as the file stores them) of GGML type `type`.
+BlockType check_raw(const at::Tensor& raw, int64_t type, int64_t K, const std::string& name) {
   const BlockType t = block_type(type, name);
   check_cols(K, name);
-  const int64_t row_bytes = K / taps::gguf::kBlock * taps::gguf::block_bytes(t);
-  check_arg(raw, name, {at::kByte}, {-1, row_bytes});
+  check_arg(raw, name, {at::kByte}, {-1, K / taps::gguf::kBlock * taps::gguf::block_bytes(t)});
   check_contiguous(raw, name);
-  const int64_t N = raw.size(0);
-  at::Tensor out = at::empty({taps::gguf::packed_bytes(t, N, K)}, raw.options());
-  taps::gguf::pack_blocks(t, raw.data_ptr<uint8_t>(), N, K, out.data_ptr<uint8_t>());
+  return t;
+}
+
+// raw GGUF rows -> packed uint8 [packed_bytes] (gguf_linear.h)
+at::Tensor gguf_pack(const at::Tensor& raw, int64_t type, int64_t K, const std::string& name) {
+  const BlockType t = check_raw(raw, type, K, name);
+  at::Tensor out = at::empty({taps::gguf::packed_bytes(t, raw.size(0), K)}, raw.options());
+  taps::gguf::pack_blocks(t, raw.data_ptr<uint8_t>(), raw.size(0), K, out.data_ptr<uint8_t>());
   return out;
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, const std::string& name) {
-  const BlockType t = block_type(type, name);
-  check_cols(K, name);
-  const int64_t row_bytes = K / taps::gguf::kBlock * taps::gguf::block_bytes(t);
-  check_arg(raw, name, {at::kByte}, {-1, row_bytes});
-  check_contiguous(raw, name);
+  const BlockType t = check_raw(raw, type, K, name);
   at::Tensor out = at::empty({raw.size(0), K}, raw.options().dtype(at::kFloat));
   taps::gguf::dequantize_blocks(t, raw.data_ptr<uint8_t>(), raw.size(0), K, out.data_ptr<float>());
   return out;

@@ -1,6 +1,8 @@
 // Decoder forward over GGUF blocks (see gguf_forward.h for what is row-invariant and why).
 #include "gguf_forward.h"
 
+#include "simd_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -21,37 +23,6 @@
 namespace taps {
 namespace gguf {
 
-namespace {
-
-// Rows of a packed matrix back to float32 (inverse of pack_blocks for one row).
-float half_bits_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {
-      int e = -1;
-      do {
-        ++e;
-        man <<= 1;
-      } while ((man & 0x400u) == 0);
-      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3FFu) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-}  // namespace
-
 void dequantize_packed_rows(const PackedMatrix& m, const int64_t* ids, int64_t n, float* out) {
   const int64_t KB = m.cols / kBlock, rec = record_bytes(m.type);
   for (int64_t i = 0; i < n; ++i) {
@@ -60,7 +31,7 @@ void dequantize_packed_rows(const PackedMatrix& m, const int64_t* ids, int64_t n
       const uint8_t* p = m.data + (g * KB + kb) * rec;
       float* o = out + i * m.cols + kb * kBlock;
       if (m.type == BlockType::Q4_1) {
-        const float d = half_bits_to_float(p + 256 + 2 * r), mw = half_bits_to_float(p + 288 + 2 * r);
+        const float d = half_at(p + 256 + 2 * r), mw = half_at(p + 288 + 2 * r);
         for (int j = 0; j < 4; ++j) {
           for (int b = 0; b < 4; ++b) {
             const uint8_t byte = p[64 * j + 4 * r + b];
@@ -69,7 +40,7 @@ void dequantize_packed_rows(const PackedMatrix& m, const int64_t* ids, int64_t n
           }
         }
       } else {
-        const float d = half_bits_to_float(p + 512 + 2 * r);
+        const float d = half_at(p + 512 + 2 * r);
         for (int t = 0; t < 8; ++t) {
           for (int b = 0; b < 4; ++b) o[4 * t + b] = static_cast<float>(static_cast<int>(p[64 * t + 4 * r + b]) - 128) * d;
         }
@@ -80,24 +51,6 @@ void dequantize_packed_rows(const PackedMatrix& m, const int64_t* ids, int64_t n
 
 #ifdef TAPS_HAVE_FORWARD
 namespace {
-
-// exp(x) elementwise (Cody-Waite reduction, degree-6 polynomial, 2^n by scalef): ~2 ulp, and one
-// element's result depends on that element alone (tails use the same code under a mask).
-TAPS_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Sum of x[0..n) in a fixed order that depends on n only: 16 lanes over chunks, then the lane reduction.
 TAPS_AVX512 float sum_fixed(const float* x, int64_t n) {
@@ -125,13 +78,8 @@ TAPS_AVX512 void rmsnorm_row(const float* x, const float* w, float* y, int64_t H
 
 // silu(g) * u in place into g.
 TAPS_AVX512 void swiglu(float* g, const float* u, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
-    const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(s, uv));
-  }
+  silu_avx512(g, n);
+  for (int64_t i = 0; i < n; ++i) g[i] = g[i] * u[i];
 }
 
 // The 16 horizontal sums of v[0..16) as one vector (lane i = sum of v[i]); a fixed shuffle tree.
@@ -187,7 +135,7 @@ TAPS_AVX512 void attend(const float* q, int64_t G, int64_t D, const float* K, co
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     for (int64_t t = 0; t < nv; t += 16) {
       const __mmask16 k = nv - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nv - t)) - 1u);
-      _mm512_mask_storeu_ps(s + t, k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+      _mm512_mask_storeu_ps(s + t, k, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
     }
     const float inv = 1.0f / sum_fixed(s, nv);
     __m512 acc[8];
@@ -208,6 +156,20 @@ void rope_head(float* x, const float* cs, const float* sn, int64_t D) {
     const float a = x[d], b = x[d + h];
     x[d] = a * cs[d] - b * sn[d];
     x[d + h] = b * cs[d] + a * sn[d];
+  }
+}
+
+// Per-head RMSNorm (Qwen3's q/k norms; none when norm is null) then RoPE, for the heads of one row.
+void norm_rope_heads(float* x, int64_t heads, const float* norm, const float* cs, const float* sn, int64_t D,
+                     float eps) {
+  float tmp[128];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * D;
+    if (norm) {
+      rmsnorm_row(v, norm, tmp, D, eps);
+      std::memcpy(v, tmp, D * sizeof(float));
+    }
+    rope_head(v, cs, sn, D);
   }
 }
 
@@ -315,24 +277,10 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
     linear(lw.q, qa, q.data(), Hq * D, parallel);
     linear(lw.k, qa, k.data(), Hkv * D, parallel);
     linear(lw.v, qa, v.data(), Hkv * D, parallel);
-    float tmp[128];
     for (int64_t i = 0; i < M; ++i) {
-      for (int64_t hh = 0; hh < Hq; ++hh) {
-        float* qh = q.data() + (i * Hq + hh) * D;
-        if (lw.q_norm) {
-          rmsnorm_row(qh, lw.q_norm, tmp, D, w.rms_eps);
-          std::memcpy(qh, tmp, D * sizeof(float));
-        }
-        rope_head(qh, cosv.data() + i * half, sinv.data() + i * half, D);
-      }
-      for (int64_t hh = 0; hh < Hkv; ++hh) {
-        float* kh = k.data() + (i * Hkv + hh) * D;
-        if (lw.k_norm) {
-          rmsnorm_row(kh, lw.k_norm, tmp, D, w.rms_eps);
-          std::memcpy(kh, tmp, D * sizeof(float));
-        }
-        rope_head(kh, cosv.data() + i * half, sinv.data() + i * half, D);
-      }
+      norm_rope_heads(q.data() + i * Hq * D, Hq, lw.q_norm, cosv.data() + i * half, sinv.data() + i * half, D, w.rms_eps);
+      norm_rope_heads(k.data() + i * Hkv * D, Hkv, lw.k_norm, cosv.data() + i * half, sinv.data() + i * half, D,
+                      w.rms_eps);
     }
     // the new rows' keys and values go into the cache before any row attends (a node sees its ancestors)
     float* Kc = f.keys[l];

@@ -25,7 +25,8 @@ constexpr int64_t kQ80Bytes = 34;   // fp16 d, 32 int8
 constexpr int64_t kQ41Record = 320;
 constexpr int64_t kQ80Record = 544;
 
-// IEEE half -> float (exact; every half is a float).
+}  // namespace
+
 float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
@@ -50,13 +51,11 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-uint16_t load_u16(const uint8_t* p) {
+float half_at(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, sizeof v);
-  return v;
+  return half_to_float(v);
 }
-
-}  // namespace
 
 int64_t block_bytes(BlockType t) { return t == BlockType::Q4_1 ? kQ41Bytes : kQ80Bytes; }
 int64_t record_bytes(BlockType t) { return t == BlockType::Q4_1 ? kQ41Record : kQ80Record; }
@@ -96,9 +95,9 @@ void dequantize_blocks(BlockType t, const uint8_t* src, int64_t N, int64_t K, fl
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* blk = src + (n * KB + kb) * block_bytes(t);
       float* out = dst + n * K + kb * kBlock;
-      const float d = half_to_float(load_u16(blk));
+      const float d = half_at(blk);
       if (t == BlockType::Q4_1) {
-        const float m = half_to_float(load_u16(blk + 2));
+        const float m = half_at(blk + 2);
         for (int e = 0; e < 16; ++e) {
           out[e] = static_cast<float>(blk[4 + e] & 0xF) * d + m;
           out[e + 16] = static_cast<float>(blk[4 + e] >> 4) * d + m;
@@ -158,13 +157,13 @@ void packed_linear_scalar(BlockType t, const uint8_t* packed, int64_t N, int64_t
                 isum += (byte & 0xF) * ab[4 * j + b] + (byte >> 4) * ab[16 + 4 * j + b];
               }
             }
-            const float d = half_to_float(load_u16(p + 256 + 2 * r)), mw = half_to_float(load_u16(p + 288 + 2 * r));
+            const float d = half_at(p + 256 + 2 * r), mw = half_at(p + 288 + 2 * r);
             blk = d * static_cast<float>(isum) + mw * static_cast<float>(asum[m * KB + kb]);
           } else {
             for (int q = 0; q < 8; ++q) {
               for (int b = 0; b < 4; ++b) isum += (static_cast<int32_t>(p[64 * q + 4 * r + b]) - 128) * ab[4 * q + b];
             }
-            blk = half_to_float(load_u16(p + 512 + 2 * r)) * static_cast<float>(isum);
+            blk = half_at(p + 512 + 2 * r) * static_cast<float>(isum);
           }
           acc = acc + blk * scale[m * KB + kb];
         }

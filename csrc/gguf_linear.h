@@ -35,6 +35,10 @@ enum class BlockType : int { Q4_1 = 3, Q8_0 = 8 };
 constexpr int64_t kBlock = 32;      // elements per block (both types)
 constexpr int64_t kGroupRows = 16;  // output rows per packed group
 
+// IEEE half -> float (exact: every half is a float); half_at reads the little-endian half at p.
+float half_to_float(uint16_t h);
+float half_at(const uint8_t* p);
+
 // Bytes of one GGUF block (what the file holds) and of one packed record (kGroupRows rows, one block).
 int64_t block_bytes(BlockType t);
 int64_t record_bytes(BlockType t);

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..reference.gguf import Q8_0, quantize_q8_0_reference
+from .int8_linear import check_linear_args
 
 
 class BlockLinear(nn.Module):
@@ -30,13 +31,9 @@ class BlockLinear(nn.Module):
         super().__init__()
         from .. import _C
 
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-            raise ValueError(f"weight: expected a 2-D float tensor [N, K], received "
-                             f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+        check_linear_args(weight, bias)
         if weight.shape[1] % 32:
             raise ValueError(f"weight: expected a multiple of 32 input columns, received {weight.shape[1]}")
-        if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-            raise ValueError(f"bias: expected shape ({weight.shape[0]},), received {tuple(bias.shape)}")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", _C.gguf_pack(quantize_q8_0_reference(weight.cpu()), Q8_0, self.in_features))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())

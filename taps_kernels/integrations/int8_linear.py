@@ -23,6 +23,15 @@ from ..backend import int8_linear_backend, int8_reduce_range
 from ..reference.linear import int8_linear_reference, quantize_int8_rows_reference
 
 
+def check_linear_args(weight, bias) -> None:
+    """The checks of a quantised linear layer's constructor: ``weight [N, K]`` float, ``bias [N]`` or None."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight: expected a 2-D float tensor [N, K], received "
+                         f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias: expected shape ({weight.shape[0]},), received {tuple(bias.shape)}")
+
+
 class Int8Linear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` rounded to int8 per output row and ``x`` to uint8 per call.
 
@@ -34,11 +43,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         super().__init__()
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-            raise ValueError(f"weight: expected a 2-D float tensor [N, K], received "
-                             f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
-        if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-            raise ValueError(f"bias: expected shape ({weight.shape[0]},), received {tuple(bias.shape)}")
+        check_linear_args(weight, bias)
         qweight, scale = quantize_int8_rows_reference(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("weight_scale", scale)
