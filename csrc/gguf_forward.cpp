@@ -103,50 +103,83 @@ TAPS_AVX512 inline __m512 transpose_sum16(const __m512* v) {
 
 constexpr int kMaxGroup = 8;  // query heads per KV head handled together
 
-// Attention of one query row for the G query heads of one KV head over the visible slots vis[0..nv).
-// q: G heads x D floats; out: G x D. scores: workspace of G * nv floats.
-TAPS_AVX512 void attend(const float* q, int64_t G, int64_t D, const float* K, const float* V, const int64_t* vis,
-                        int64_t nv, float scale, float* scores, float* out) {
-  const int64_t DC = D / 16;
-  // scores: 16 visible keys at a time, every head's 16 lane-partial dots reduced by one transpose
+// Softmax of one head's scores s[0..nv) in place (max, exp, then the fixed-order sum); returns 1 / sum.
+TAPS_AVX512 float softmax_scores(float* s, int64_t nv) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < nv; t += 16) {
+    const __mmask16 k = nv - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nv - t)) - 1u);
+    mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + t));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  for (int64_t t = 0; t < nv; t += 16) {
+    const __mmask16 k = nv - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nv - t)) - 1u);
+    _mm512_mask_storeu_ps(s + t, k, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+  }
+  return 1.0f / sum_fixed(s, nv);
+}
+
+// Attention of one query row for the G query heads of one KV head over the visible slots vis[0..nv)
+// (head_dim = 16 * DC). q: G heads x D floats; out: G x D; scores: workspace of G * nv floats.
+// Each key and value row is loaded once for the G heads; per head the operations (and so the bits) are
+// those of one head alone: dots by FMA over the 16-lane chunks, 16 keys reduced by one transpose, the
+// softmax in slot-sequence order, the value sum in that order.
+template <int G, int DC>
+TAPS_AVX512 void attend(const float* q, const float* K, const float* V, const int64_t* vis, int64_t nv, float scale,
+                        float* scores, float* out) {
+  constexpr int64_t D = 16 * DC;
+  __m512 qv[G][DC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
   for (int64_t t0 = 0; t0 < nv; t0 += 16) {
     const int64_t tn = std::min<int64_t>(16, nv - t0);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 part[16];
-      for (int64_t t = 0; t < 16; ++t) {
-        __m512 acc = _mm512_setzero_ps();
-        if (t < tn) {
-          const float* k = K + vis[t0 + t] * D;
-          for (int64_t c = 0; c < DC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), _mm512_loadu_ps(k + 16 * c), acc);
+    alignas(64) __m512 part[G][16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t < tn) {
+        const float* k = K + vis[t0 + t] * D;
+        __m512 kv[DC];
+        for (int c = 0; c < DC; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int c = 0; c < DC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+          part[g][t] = acc;
         }
-        part[t] = acc;
+      } else {
+        for (int g = 0; g < G; ++g) part[g][t] = _mm512_setzero_ps();
       }
-      const __m512 s = _mm512_mul_ps(transpose_sum16(part), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + g * nv + t0, static_cast<__mmask16>((1u << tn) - 1u), s);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 sc = _mm512_mul_ps(transpose_sum16(part[g]), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + g * nv + t0, static_cast<__mmask16>((1u << tn) - 1u), sc);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * nv;
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < nv; t += 16) {
-      const __mmask16 k = nv - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nv - t)) - 1u);
-      mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + t));
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_scores(scores + g * nv, nv);
+  __m512 acc[G][DC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < nv; ++t) {
+    const float* v = V + vis[t] * D;
+    __m512 vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * nv + t]);
+      for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
     }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    for (int64_t t = 0; t < nv; t += 16) {
-      const __mmask16 k = nv - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nv - t)) - 1u);
-      _mm512_mask_storeu_ps(s + t, k, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
-    }
-    const float inv = 1.0f / sum_fixed(s, nv);
-    __m512 acc[8];
-    for (int64_t c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < nv; ++t) {
-      const __m512 p = _mm512_set1_ps(s[t]);
-      const float* v = V + vis[t] * D;
-      for (int64_t c = 0; c < DC; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
-    }
-    for (int64_t c = 0; c < DC; ++c) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
   }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, float, float*, float*);
+
+// The kernel for (G, head_dim): G in 1..8 (at most 8 query heads per KV head), head_dim 16 * (1..8).
+AttendFn attend_for(int64_t G, int64_t D) {
+#define TAPS_ATTEND_ROW(g) {attend<g, 1>, attend<g, 2>, attend<g, 3>, attend<g, 4>, attend<g, 5>, attend<g, 6>, \
+                            attend<g, 7>, attend<g, 8>}
+  static const AttendFn table[8][8] = {TAPS_ATTEND_ROW(1), TAPS_ATTEND_ROW(2), TAPS_ATTEND_ROW(3), TAPS_ATTEND_ROW(4),
+                                       TAPS_ATTEND_ROW(5), TAPS_ATTEND_ROW(6), TAPS_ATTEND_ROW(7), TAPS_ATTEND_ROW(8)};
+#undef TAPS_ATTEND_ROW
+  return table[G - 1][D / 16 - 1];
 }
 
 // rotate-half RoPE of one head vector at position pos (cos/sin from double precision, rounded once).
@@ -217,6 +250,7 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
   check(D % 16 == 0 && D <= 128, "head_dim: expected a multiple of 16, at most 128");
   check(H % kBlock == 0 && F % kBlock == 0 && (Hq * D) % kBlock == 0, "hidden, ffn, heads*head_dim: multiples of 32");
   const int64_t M = f.B * f.N, G = Hq / Hkv, L = static_cast<int64_t>(w.layers.size());
+  const AttendFn attend_kernel = attend_for(G, D);
   if (M == 0) return;
   for (int64_t b = 0; b < f.B; ++b) {
     check(f.prefix_lens[b] >= 0 && f.prefix_lens[b] + f.N <= f.capacity, "prefix_lens + N exceed the cache capacity");
@@ -298,8 +332,8 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t i = t / Hkv, hh = t % Hkv, b = i / f.N;
         const int64_t base = (f.cache_rows[b] * Hkv + hh) * f.capacity * D;
-        attend(q.data() + (i * Hq + hh * G) * D, G, D, Kc + base, Vc + base, vis.data() + vis_start[i],
-               vis_start[i + 1] - vis_start[i], scale, scores.data(), att.data() + (i * Hq + hh * G) * D);
+        attend_kernel(q.data() + (i * Hq + hh * G) * D, Kc + base, Vc + base, vis.data() + vis_start[i],
+                      vis_start[i + 1] - vis_start[i], scale, scores.data(), att.data() + (i * Hq + hh * G) * D);
       }
     });
     qa.set(att.data(), M, Hq * D, parallel);
