@@ -118,3 +118,16 @@ def test_merged_report_names_the_run_of_a_set_run_twice(tmp_path):
     assert "## humaneval, temperature 0, 2 prompts (command 1 above)" in text
     assert "## humaneval, temperature 0, 2 prompts (command 2 above)" in text
     assert "| hf-pld:10 |" in text
+
+
+def test_report_shows_the_llamacpp_peer_rows(tmp_path):
+    r = run()
+    r["policies"]["ar"]["decode_tokens_per_s"] = 150.0
+    peers = {"humaneval": [{"name": "llamacpp-decode (llama-bench)", "tok_s": 75.0, "prompt_tok_s": None,
+                            "llamacpp_commit": "0c1e570", "cpu": "CPU X"}]}
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps({"config": {"command": "taps bench"}, "runs": [r], "peers": peers}))
+    write_report(str(b), tmp_path / "r.md", plot_prefix="")
+    text = (tmp_path / "r.md").read_text()
+    assert "| humaneval | llamacpp-decode (llama-bench) (llama.cpp 0c1e570, CPU X) | 75.00 | - | 2.00x |" in text
+    assert "| humaneval | ours: ar | 150.00 | - | - |" in text

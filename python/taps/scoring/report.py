@@ -253,7 +253,28 @@ def merge_bench(paths) -> dict:
         if turns:
             cfg["mtbench_turns"] = turns[0]
     runs = [dict(r, source=i) for i, d in enumerate(datas) for r in d["runs"]]
-    return {"config": cfg, "runs": runs}
+    peers = {ds: rows for d in datas for ds, rows in (d.get("peers") or {}).items()}
+    return {"config": cfg, "runs": runs, "peers": peers}
+
+
+def peer_table(data: dict) -> List[str]:
+    """llama.cpp's rows (``taps bench --peer llamacpp``) beside our decode-only tokens/s, per dataset."""
+    if not data.get("peers"):
+        return []
+    L = ["## llama.cpp on the same GGUF, prompts (first turns), token count and threads", "",
+         "Decode-only tokens/s: the prefill and the token it gives excluded, on both sides (ours over all turns).", "",
+         "| dataset | row | decode tok/s | prompt tok/s | our AR / this row |", "|---|---|---|---|---|"]
+    ours = {r["dataset"]: r["policies"] for r in data["runs"] if r["temperature"] == 0.0}
+    for ds, rows in data["peers"].items():
+        ar = (ours.get(ds, {}).get("ar") or {}).get("decode_tokens_per_s")
+        for r in rows:
+            ratio = f"{ar / r['tok_s']:.2f}x" if ar and r.get("tok_s") else "-"
+            L.append(f"| {ds} | {r['name']} (llama.cpp {r.get('llamacpp_commit')}, {r.get('cpu')}) | "
+                     f"{_fmt(r.get('tok_s'))} | {_fmt(r.get('prompt_tok_s'))} | {ratio} |")
+        for spec, s in ours.get(ds, {}).items():
+            if s.get("decode_tokens_per_s"):
+                L.append(f"| {ds} | ours: {spec} | {_fmt(s['decode_tokens_per_s'])} | - | - |")
+    return L + [""]
 
 
 def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results/taps_cpu",
@@ -288,6 +309,7 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
         if run["temperature"] == 0.0:
             checks = check_targets(run)
             checks_all.append((run["dataset"], checks))
+    L += peer_table(data)
     L += ["## Targets (\"must show\")", "", "| dataset | check | value | target | met? |", "|---|---|---|---|---|"]
     for ds, checks in checks_all:
         for c in checks:
