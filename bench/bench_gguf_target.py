@@ -9,21 +9,11 @@ CPU and whether the VNNI path ran. Medians of repeated calls.
 import argparse
 import json
 import random
-import statistics
 import time
 
 import numpy as np
 import torch
-
-
-def _median_ms(fn, repeats):
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+from bench_rows_linear import _median_ms  # run as `python bench/...`: its folder is on the path
 
 
 def _stream_floor_ms(nbytes: int, repeats: int) -> float:

@@ -351,12 +351,18 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
     for (int64_t e = 0; e < M * H; ++e) x[e] = x[e] + h[e];
     if (l + 1 < L) store_feature(l, x.data());
   }
-  // final norm (over every row when the last layer is a feature layer, else only the logit rows)
-  for (int64_t i = 0; i < M; ++i) rmsnorm_row(x.data() + i * H, w.final_norm, h.data() + i * H, H, w.rms_eps);
-  store_feature(L - 1, h.data());
+  // final norm: over every row when the last layer is a feature layer, else only the logit rows
+  bool last_is_feature = false;
+  for (int64_t s = 0; s < f.n_features; ++s) last_is_feature = last_is_feature || f.feature_layers[s] == L - 1;
+  if (last_is_feature) {
+    for (int64_t i = 0; i < M; ++i) rmsnorm_row(x.data() + i * H, w.final_norm, h.data() + i * H, H, w.rms_eps);
+    store_feature(L - 1, h.data());
+  }
   if (f.n_logit_rows > 0) {
     std::vector<float> sel(f.n_logit_rows * H);
-    for (int64_t r = 0; r < f.n_logit_rows; ++r) std::memcpy(sel.data() + r * H, h.data() + f.logit_rows[r] * H, H * sizeof(float));
+    for (int64_t r = 0; r < f.n_logit_rows; ++r) {
+      rmsnorm_row(x.data() + f.logit_rows[r] * H, w.final_norm, sel.data() + r * H, H, w.rms_eps);
+    }
     qa.set(sel.data(), f.n_logit_rows, H, parallel);
     linear(w.head, qa, f.logits, w.head.rows, parallel);
   }
