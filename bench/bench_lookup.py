@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
 
 import taps_kernels as tk  # noqa: E402
-from taps.decode.lookup import graft_chain, lookup_chain  # noqa: E402
+from taps_kernels import graft_chain, lookup_chain  # noqa: E402
 
 K, MAX_NGRAM, POOL = 10, 3, 128
 

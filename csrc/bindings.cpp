@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gguf_bindings.h"
+#include "lookup_bindings.h"
 #include "rows_linear.h"
 #include "torch_checks.h"
 #include "score_edges.h"
@@ -900,4 +901,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-> [fault kind (0 ok, see tree_ops.h TreeFault), b, i] of the first structural violation; vocab_size < 0 skips tokens",
         py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("vocab_size") = -1);
   taps_bind::register_gguf(m);
+  taps_bind::register_lookup(m);
 }

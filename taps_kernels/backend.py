@@ -83,6 +83,12 @@ PREFERENCES: Dict[str, Preference] = {
     "score_edges": Preference(
         ("triton",), "the edge MLP spread over the GPU, then one program per tree normalises and propagates",
         cpu_why="C++ scorer (matches the reference within float32 tolerance)"),
+    "lookup_chain": Preference(
+        (), "torch ops with static shapes (one pass per suffix length), no host synchronisation",
+        cpu_why="one C++ scan per row (latest occurrence first) instead of a tensor pass per suffix length"),
+    "graft_chain": Preference(
+        (), "torch ops with static shapes (one pass per chain token), no host synchronisation",
+        cpu_why="one C++ walk per row instead of a dozen tensor ops per chain token"),
     # Few-row linear layers (taps_kernels.rows_linear). Measured on the 2-core AVX-512 CPU of this project
     # (bench/results/rows_linear_cpu.json, 1 thread): torch's linear runs BLAS sgemm, which from 2 rows on costs
     # about twice its 1-row sgemv although both only stream the weights (SmolLM2's LM head: 11.5 ms at 1 row,

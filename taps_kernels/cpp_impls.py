@@ -93,3 +93,20 @@ def score_edges_cpp(pool, weights, token_embeddings: Optional[torch.Tensor] = No
 def rows_linear_cpp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M,K] f32, weight [N,K] f32, bias [N] f32 or None`` -> ``x @ weight.T + bias [M,N] f32``."""
     return _C.rows_linear(x, weight, bias)
+
+
+@register("lookup_chain", "cpp")
+def lookup_chain_cpp(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: int, max_ngram: int):
+    """``tokens [B,C] int64, lengths [B] int64`` -> ``(chain [B,K] int64, chain_len [B] int64, ngram [B] int64)``."""
+    return tuple(_C.lookup_chain(tokens, lengths, num_tokens, max_ngram))
+
+
+@register("graft_chain", "cpp")
+def graft_chain_cpp(tree, log_reach: torch.Tensor, chain: torch.Tensor, chain_len: torch.Tensor,
+                    chain_log_reach: torch.Tensor):
+    """``(tree [B,N+K], log_reach [B,N+K] f32, chain_nodes [B,K] int64)``."""
+    from .layout import Tree
+
+    tokens, parents, depth, num_nodes, reach, nodes = _C.graft_chain(
+        tree.tokens, tree.parents, tree.depth, tree.num_nodes, log_reach, chain, chain_len, chain_log_reach)
+    return Tree(tokens, parents, depth, num_nodes), reach, nodes

@@ -24,6 +24,8 @@ register("accept_greedy", "reference")(ref.accept_greedy_reference)
 register("compact_kv", "reference")(ref.compact_kv_reference)
 register("score_edges", "reference")(score_edges_reference)
 register("rows_linear", "reference")(ref.rows_linear_reference)
+register("lookup_chain", "reference")(ref.lookup_chain_reference)
+register("graft_chain", "reference")(ref.graft_chain_reference)
 
 for _module in ("taps_kernels.cpp_impls", "taps_kernels.cuda_impls", "taps_kernels.triton"):
     try:

@@ -102,7 +102,9 @@ def test_prompt_lookup_compiles_fullgraph():
     """History append, n-gram match, graft into a pool and the lookup-only tree: one graph, equal to eager."""
     import random
 
-    from taps.decode.lookup import TokenHistory, graft_chain, lookup_chain, lookup_only_tree
+    from taps.decode.lookup import TokenHistory, lookup_only_tree
+    from taps_kernels.reference.lookup import graft_chain_reference as graft_chain
+    from taps_kernels.reference.lookup import lookup_chain_reference as lookup_chain
 
     def lookup(history, committed, counts, tree_parts, log_reach, bonus, caps):
         history.append(committed, counts)

@@ -1,5 +1,5 @@
-"""Prompt lookup: the device-side n-gram match, the graft into a tree and the token history equal plain Python
-references exactly on random inputs of awkward shapes; the ``lookup`` and ``taps-lookup`` policies decode
+"""Prompt lookup: the n-gram match and the graft into a tree (both backends: the torch reference and C++) and the
+token history equal plain Python references exactly on random inputs of awkward shapes; the ``lookup`` and ``taps-lookup`` policies decode
 exactly HF ``generate``'s greedy output (batched, rows joining, both attention paths); their acceptance
 estimate counts what the target really accepted; a failed round restores the history."""
 import random
@@ -9,10 +9,11 @@ import torch
 
 from helpers import hf_greedy, random_scorer, random_tree, tiny_drafter, tiny_target
 from taps.decode import BatchDecoder, Request, SpeculativeDecoder, make_policy
-from taps.decode.lookup import TokenHistory, accepted_prefix, graft_chain, lookup_chain, lookup_only_tree
+from taps.decode.lookup import TokenHistory, accepted_prefix, lookup_only_tree
 from taps.decode.policies.base import PolicyError
 from taps.decode.policies.lookup import ChainAcceptance, CostedLookupPolicy, TapsLookupPolicy
-from taps_kernels import Tree
+from taps_kernels import Tree, graft_chain, lookup_chain
+from taps_kernels.backend import unavailable_reason
 
 V = 61
 LATENCY = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02, "t0_parts": {"context": 0.001}}
@@ -59,9 +60,14 @@ def rows_of(tree: Tree, b: int):
 
 # --- device ops against the references ----------------------------------------------------------------------------
 
+_CPP_WHY = unavailable_reason("cpp", "cpu")
+BACKENDS = ["reference", pytest.param("cpp", marks=pytest.mark.skipif(bool(_CPP_WHY), reason=_CPP_WHY or "-"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("B,C,K,max_ngram,vocab", [(1, 1, 1, 3, 5), (3, 17, 4, 3, 4), (5, 40, 10, 2, 7),
                                                    (2, 9, 12, 4, 2), (4, 64, 3, 1, 30)])
-def test_lookup_chain_equals_reference(B, C, K, max_ngram, vocab):
+def test_lookup_chain_equals_reference(B, C, K, max_ngram, vocab, backend):
     rng = random.Random(B * 1000 + C)
     for _ in range(20):
         lengths = [rng.randint(1, C) for _ in range(B)]
@@ -69,7 +75,7 @@ def test_lookup_chain_equals_reference(B, C, K, max_ngram, vocab):
         tokens = torch.full((B, C), 99, dtype=torch.int64)  # junk past each length must never be matched
         for b, r in enumerate(rows):
             tokens[b, :len(r)] = torch.tensor(r)
-        chain, chain_len, ngram = lookup_chain(tokens, torch.tensor(lengths), K, max_ngram)
+        chain, chain_len, ngram = lookup_chain(tokens, torch.tensor(lengths), K, max_ngram, backend=backend)
         assert chain.shape == (B, K)
         for b, r in enumerate(rows):
             want, n = lookup_reference(r, K, max_ngram)
@@ -77,8 +83,9 @@ def test_lookup_chain_equals_reference(B, C, K, max_ngram, vocab):
             assert chain[b, :len(want)].tolist() == want and not chain[b, len(want):].any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("B,N,K", [(1, 1, 1), (3, 7, 4), (4, 20, 10), (2, 33, 3)])
-def test_graft_chain_equals_reference(B, N, K):
+def test_graft_chain_equals_reference(B, N, K, backend):
     rng = random.Random(N * 31 + K)
     for _ in range(15):
         tree = random_tree(rng, B, N, vocab=4)
@@ -99,7 +106,7 @@ def test_graft_chain_equals_reference(B, N, K):
         chain = torch.tensor([[rng.randrange(3) for _ in range(K)] for _ in range(B)])
         chain_len = torch.tensor([rng.randint(0, K) for _ in range(B)])
         chain_reach = torch.cumsum(-torch.rand(B, K), 1)
-        got, got_reach, nodes = graft_chain(tree, reach, chain, chain_len, chain_reach)
+        got, got_reach, nodes = graft_chain(tree, reach, chain, chain_len, chain_reach, backend=backend)
         assert got.tokens.shape == (B, N + K)
         for b in range(B):
             n = int(tree.num_nodes[b])
@@ -112,6 +119,59 @@ def test_graft_chain_equals_reference(B, N, K):
             assert torch.isinf(got_reach[b, len(par):]).all()
             assert nodes[b].tolist() == want_nodes + [-1] * (K - L)
             assert all(p < i for i, p in enumerate(par) if i > 0)  # topological
+
+
+@pytest.mark.skipif(bool(_CPP_WHY), reason=_CPP_WHY or "-")
+def test_cpp_lookup_equals_reference_bit_for_bit():
+    """Edge values the list references do not cover: empty histories, chain lengths outside [0, K], NaN and
+    -inf reach; the C++ and torch paths give the same tensors (NaN in the same places)."""
+    rng = random.Random(11)
+    for trial in range(40):
+        B, C, K = rng.randint(1, 4), rng.randint(1, 30), rng.randint(0, 9)
+        tokens = torch.randint(0, 3, (B, C))
+        lengths = torch.tensor([rng.choice([0, 1, rng.randint(0, C), C]) for _ in range(B)])
+        ref = lookup_chain(tokens, lengths, K, 3, backend="reference")
+        got = lookup_chain(tokens, lengths, K, 3, backend="cpp")
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        tree = random_tree(rng, B, rng.randint(1, 12), vocab=3)
+        N = tree.tokens.shape[1]
+        reach = torch.cumsum(-torch.rand(B, N), 1)
+        reach[torch.rand(B, N) < 0.1] = float("nan")
+        reach[torch.rand(B, N) < 0.1] = float("-inf")
+        chain = torch.randint(0, 3, (B, K))
+        chain_len = torch.tensor([rng.randint(-1, K + 2) for _ in range(B)])
+        chain_reach = torch.cumsum(-torch.rand(B, K), 1)
+        chain_reach[torch.rand(B, K) < 0.1] = float("nan")
+        (rt, rr, rn), (gt, gr, gn) = (graft_chain(tree, reach, chain, chain_len, chain_reach, backend=b)
+                                      for b in ("reference", "cpp"))
+        for f in ("tokens", "parents", "depth", "num_nodes"):
+            assert torch.equal(getattr(rt, f), getattr(gt, f)), (trial, f)
+        # NaN where the reference has NaN (its payload is not part of the contract), the same bits elsewhere
+        assert torch.equal(rr.isnan(), gr.isnan()) and torch.equal(rn, gn)
+        assert rr[~rr.isnan()].numpy().tobytes() == gr[~gr.isnan()].numpy().tobytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lookup_ops_refuse_bad_input(backend):
+    tokens, lengths = torch.zeros(2, 5, dtype=torch.int64), torch.tensor([3, 6])
+    with pytest.raises(ValueError, match=r"lengths\[1\]: expected a history length in \[0, 5\].*received 6"):
+        lookup_chain(tokens, lengths, 4, backend=backend)
+    with pytest.raises(TypeError, match="tokens"):
+        lookup_chain(tokens.int(), torch.tensor([3, 3]), 4, backend=backend)
+    with pytest.raises(ValueError, match="num_tokens"):
+        lookup_chain(tokens, torch.tensor([3, 3]), -1, backend=backend)
+    tree = Tree(torch.zeros(2, 3, dtype=torch.int64), torch.tensor([[-1, 0, -1]] * 2, dtype=torch.int32),
+                torch.tensor([[0, 1, 0]] * 2, dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32))
+    reach = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="chain: expected 2 rows"):
+        graft_chain(tree, reach, torch.zeros(3, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                    torch.zeros(3, 4), backend=backend)
+    with pytest.raises(ValueError, match="chain_log_reach"):
+        graft_chain(tree, reach, torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                    torch.zeros(2, 3), backend=backend)
+    with pytest.raises(TypeError, match="log_reach"):
+        graft_chain(tree, reach.double(), torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                    torch.zeros(2, 4), backend=backend)
 
 
 def test_token_history_appends_like_lists():

@@ -3,6 +3,7 @@ from .accept import accept_greedy
 from .attention import tree_attention
 from .kv import compact_kv
 from .linear import rows_linear
+from .lookup import graft_chain, lookup_chain
 from .mask import ancestor_bits_to_additive_mask, tree_mask
 from .pool import best_first_pool, candidate_pool, topk_stats
 from .reach import propagate_reach
@@ -11,4 +12,4 @@ from .select import select_subtree
 
 __all__ = ["accept_greedy", "tree_attention", "compact_kv", "ancestor_bits_to_additive_mask", "tree_mask",
            "best_first_pool", "candidate_pool", "topk_stats", "propagate_reach", "select_subtree",
-           "score_edges", "rows_linear"]
+           "score_edges", "rows_linear", "lookup_chain", "graft_chain"]

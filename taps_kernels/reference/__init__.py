@@ -3,6 +3,7 @@ from .accept import accept_greedy_reference
 from .attention import tree_attention_reference
 from .kv import compact_kv_reference
 from .linear import int8_linear_reference, quantize_int8_rows_reference, rows_linear_reference
+from .lookup import graft_chain_reference, lookup_chain_reference
 from .mask import ancestor_bits_reference, tree_mask_reference, unpack_ancestor_bits
 from .pool import best_first_pool_reference, topk_stats_reference
 from .reach import propagate_reach_reference
@@ -12,5 +13,5 @@ __all__ = [
     "accept_greedy_reference", "tree_attention_reference", "compact_kv_reference", "ancestor_bits_reference",
     "tree_mask_reference", "unpack_ancestor_bits", "best_first_pool_reference", "topk_stats_reference",
     "propagate_reach_reference", "reindex_subtree_reference", "select_subtree_reference", "rows_linear_reference",
-    "int8_linear_reference", "quantize_int8_rows_reference",
+    "int8_linear_reference", "quantize_int8_rows_reference", "lookup_chain_reference", "graft_chain_reference",
 ]

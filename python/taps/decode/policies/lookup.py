@@ -1,4 +1,5 @@
-"""Prompt lookup as a policy of its own and grafted into TAPS trees (:mod:`taps.decode.lookup`).
+"""Prompt lookup as a policy of its own and grafted into TAPS trees (:func:`taps_kernels.lookup_chain`,
+:func:`taps_kernels.graft_chain`).
 
 * ``lookup[:K]``: prompt-lookup decoding without a drafter. Each round verifies the root and the up to ``K``
   tokens (default :data:`DEFAULT_LOOKUP_TOKENS`) that followed the latest earlier occurrence of the row's
@@ -19,8 +20,11 @@ from typing import Dict, List, Optional
 
 import torch
 
+from taps_kernels import graft_chain, lookup_chain
+from taps_kernels.ops.lookup import DEFAULT_MAX_NGRAM
+
 from ..latency import get_table
-from ..lookup import DEFAULT_MAX_NGRAM, accepted_prefix, graft_chain, lookup_chain, lookup_only_tree
+from ..lookup import accepted_prefix, lookup_only_tree
 from ..tree_ops import root_only_tree
 from .base import NO_TIMER, BuiltTree, PolicyError, TreePolicy, parse_budget, register_policy
 from .taps import DEFAULT_CAP, DEFAULT_MAX_DEPTH, OPTIONS, TapsPolicy
