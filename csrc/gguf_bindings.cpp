@@ -157,8 +157,8 @@ class GGUFModel {
  public:
   // config: hidden, heads, kv_heads, head_dim, ffn, vocab, rms_eps, rope_base; layers: one dict per layer with
   // attn_norm, ffn_norm, q_norm/k_norm (or None) and q, k, v, o, gate, up, down as packed-matrix tuples.
-  GGUFModel(const py::dict& config, const py::list& layers, const py::tuple& embed, const at::Tensor& final_norm,
-            const py::tuple& head) {
+  GGUFModel(const py::dict& config, const py::list& layers, const py::object& embed, const at::Tensor& final_norm,
+            const py::object& head) {
     w_.hidden = config["hidden"].cast<int64_t>();
     w_.heads = config["heads"].cast<int64_t>();
     w_.kv_heads = config["kv_heads"].cast<int64_t>();
@@ -192,12 +192,15 @@ class GGUFModel {
       lw.down = expect(matrix(d["down"].cast<py::tuple>(), p + "down", keep_), H, w_.ffn, p + "down");
       w_.layers.push_back(lw);
     }
-    w_.embed = expect(matrix(embed, "embed", keep_), w_.vocab, H, "embed");
+    // embed and head None: a model that only writes context keys and values (context_kv)
+    if (!embed.is_none()) w_.embed = expect(matrix(embed.cast<py::tuple>(), "embed", keep_), w_.vocab, H, "embed");
     w_.final_norm = vector_arg(py::cast(final_norm), "final_norm", H, keep_);
-    w_.head = matrix(head, "head", keep_);  // any number of rows: a draft vocabulary's head holds a subset
-    if (w_.head.cols != H) {
-      throw py::value_error("head: expected " + std::to_string(H) + " input columns, received " +
-                            std::to_string(w_.head.cols));
+    if (!head.is_none()) {
+      w_.head = matrix(head.cast<py::tuple>(), "head", keep_);  // any number of rows: a draft vocabulary's subset
+      if (w_.head.cols != H) {
+        throw py::value_error("head: expected " + std::to_string(H) + " input columns, received " +
+                              std::to_string(w_.head.cols));
+      }
     }
   }
 
@@ -208,6 +211,9 @@ class GGUFModel {
                                   const at::Tensor& cache_rows, const at::Tensor& bits, const std::vector<at::Tensor>& keys,
                                   const std::vector<at::Tensor>& values, const at::Tensor& feature_layers,
                                   const at::Tensor& logit_rows) {
+    if (w_.embed.data == nullptr || w_.head.data == nullptr) {
+      throw py::value_error("forward: this model was built without an embedding and a head (context_kv only)");
+    }
     check_arg(tokens, "tokens", {at::kLong}, {-1, -1});
     const int64_t B = tokens.size(0), N = tokens.size(1);
     check_arg(positions, "position_ids", {at::kLong}, {B, N});
@@ -217,25 +223,9 @@ class GGUFModel {
     check_arg(feature_layers, "feature_layers", {at::kLong}, {-1});
     check_arg(logit_rows, "logit_rows", {at::kLong}, {-1});
     const int64_t L = static_cast<int64_t>(w_.layers.size());
-    if (static_cast<int64_t>(keys.size()) != L || static_cast<int64_t>(values.size()) != L) {
-      throw py::value_error("keys/values: expected one cache tensor per layer (" + std::to_string(L) + "), received " +
-                            std::to_string(keys.size()) + " / " + std::to_string(values.size()));
-    }
-    std::vector<float*> kp(L), vp(L);
+    std::vector<float*> kp, vp;
     int64_t R = 0, cap = 0;
-    for (int64_t l = 0; l < L; ++l) {
-      const std::string kn = "keys[" + std::to_string(l) + "]", vn = "values[" + std::to_string(l) + "]";
-      if (l == 0) {
-        check_arg(keys[0], kn, {at::kFloat}, {-1, w_.kv_heads, -1, w_.head_dim});
-        R = keys[0].size(0), cap = keys[0].size(2);
-      }
-      check_arg(keys[l], kn, {at::kFloat}, {R, w_.kv_heads, cap, w_.head_dim});
-      check_arg(values[l], vn, {at::kFloat}, {R, w_.kv_heads, cap, w_.head_dim});
-      check_contiguous(keys[l], kn);
-      check_contiguous(values[l], vn);
-      kp[l] = keys[l].data_ptr<float>();
-      vp[l] = values[l].data_ptr<float>();
-    }
+    cache_pointers(keys, values, kp, vp, R, cap);
     const at::Tensor tok = tokens.contiguous(), pos = positions.contiguous(), pre = prefix_lens.contiguous(),
                      rows = cache_rows.contiguous(), bt = bits.contiguous(), fl = feature_layers.contiguous(),
                      lr = logit_rows.contiguous();
@@ -265,8 +255,35 @@ class GGUFModel {
     return {logits, feats};
   }
 
+  // hidden [B, N, hidden] f32 (every layer's input), prefix_lens/cache_rows [B] i64, keys/values as forward's:
+  // writes each layer's keys (k-normed, rotated at prefix + j) and values at slot prefix + j; returns nothing.
+  void context_kv(const at::Tensor& hidden, const at::Tensor& prefix_lens, const at::Tensor& cache_rows,
+                  const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values) {
+    check_arg(hidden, "hidden", {at::kFloat}, {-1, -1, w_.hidden});
+    const int64_t B = hidden.size(0), N = hidden.size(1);
+    check_arg(prefix_lens, "prefix_lens", {at::kLong}, {B});
+    check_arg(cache_rows, "cache_rows", {at::kLong}, {B});
+    std::vector<float*> kp, vp;
+    int64_t R = 0, cap = 0;
+    cache_pointers(keys, values, kp, vp, R, cap);
+    const at::Tensor h = hidden.contiguous(), pre = prefix_lens.contiguous(), rows = cache_rows.contiguous();
+    const at::Tensor pos = (pre.unsqueeze(1) + at::arange(N, pre.options())).contiguous();
+    taps::gguf::ForwardBatch f;
+    f.B = B, f.N = N;
+    f.positions = pos.data_ptr<int64_t>(), f.prefix_lens = pre.data_ptr<int64_t>(),
+    f.cache_rows = rows.data_ptr<int64_t>();
+    f.keys = kp.data(), f.values = vp.data(), f.cache_batch = R, f.capacity = cap;
+    try {
+      py::gil_scoped_release no_gil;
+      taps::gguf::context_kv(w_, h.data_ptr<float>(), f, torch_parallel());
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(e.what());
+    }
+  }
+
   // Exact float32 rows of the embedding: ids [n] i64 -> [n, hidden].
   at::Tensor embed_rows(const at::Tensor& ids_in) const {
+    if (w_.embed.data == nullptr) throw py::value_error("embed_rows: this model was built without an embedding");
     check_arg(ids_in, "ids", {at::kLong}, {-1});
     const at::Tensor ids = ids_in.contiguous();
     const int64_t* p = ids.data_ptr<int64_t>();
@@ -279,6 +296,30 @@ class GGUFModel {
   }
 
  private:
+  // One contiguous float32 [R, kv_heads, capacity, head_dim] cache tensor per layer, all of the same shape.
+  void cache_pointers(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                      std::vector<float*>& kp, std::vector<float*>& vp, int64_t& R, int64_t& cap) const {
+    const int64_t L = static_cast<int64_t>(w_.layers.size());
+    if (static_cast<int64_t>(keys.size()) != L || static_cast<int64_t>(values.size()) != L) {
+      throw py::value_error("keys/values: expected one cache tensor per layer (" + std::to_string(L) + "), received " +
+                            std::to_string(keys.size()) + " / " + std::to_string(values.size()));
+    }
+    kp.assign(L, nullptr), vp.assign(L, nullptr);
+    for (int64_t l = 0; l < L; ++l) {
+      const std::string kn = "keys[" + std::to_string(l) + "]", vn = "values[" + std::to_string(l) + "]";
+      if (l == 0) {
+        check_arg(keys[0], kn, {at::kFloat}, {-1, w_.kv_heads, -1, w_.head_dim});
+        R = keys[0].size(0), cap = keys[0].size(2);
+      }
+      check_arg(keys[l], kn, {at::kFloat}, {R, w_.kv_heads, cap, w_.head_dim});
+      check_arg(values[l], vn, {at::kFloat}, {R, w_.kv_heads, cap, w_.head_dim});
+      check_contiguous(keys[l], kn);
+      check_contiguous(values[l], vn);
+      kp[l] = keys[l].data_ptr<float>();
+      vp[l] = values[l].data_ptr<float>();
+    }
+  }
+
   taps::gguf::ModelWeights w_;
   std::vector<at::Tensor> keep_;
 };
@@ -298,11 +339,13 @@ void register_gguf(py::module& m) {
   m.def("gguf_vnni_available", &taps::gguf::vnni_available, "whether gguf_linear runs its AVX-512 VNNI path here");
   m.def("gguf_forward_available", &taps::gguf::forward_available, "whether the GGUF forward runs here (AVX-512F)");
   py::class_<GGUFModel>(m, "GGUFModel")
-      .def(py::init<const py::dict&, const py::list&, const py::tuple&, const at::Tensor&, const py::tuple&>(),
+      .def(py::init<const py::dict&, const py::list&, const py::object&, const at::Tensor&, const py::object&>(),
            py::arg("config"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("head"))
       .def("forward", &GGUFModel::forward, py::arg("tokens"), py::arg("position_ids"), py::arg("prefix_lens"),
            py::arg("cache_rows"), py::arg("ancestor_bits"), py::arg("keys"), py::arg("values"),
            py::arg("feature_layers"), py::arg("logit_rows"))
+      .def("context_kv", &GGUFModel::context_kv, py::arg("hidden"), py::arg("prefix_lens"), py::arg("cache_rows"),
+           py::arg("keys"), py::arg("values"))
       .def("embed_rows", &GGUFModel::embed_rows, py::arg("ids"));
 }
 

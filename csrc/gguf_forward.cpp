@@ -235,6 +235,41 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument(what);
 }
 
+void check_cache_slots(const ForwardBatch& f) {
+  for (int64_t b = 0; b < f.B; ++b) {
+    check(f.prefix_lens[b] >= 0 && f.prefix_lens[b] + f.N <= f.capacity, "prefix_lens + N exceed the cache capacity");
+    check(f.cache_rows[b] >= 0 && f.cache_rows[b] < f.cache_batch, "cache_rows: out of range");
+  }
+}
+
+// RoPE cos/sin of every row ([M, head_dim / 2] each), from double precision, rounded once.
+void rope_tables(const ModelWeights& w, const int64_t* positions, int64_t M, std::vector<float>& cosv,
+                 std::vector<float>& sinv) {
+  const int64_t D = w.head_dim, half = D / 2;
+  cosv.resize(static_cast<size_t>(M * half));
+  sinv.resize(cosv.size());
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t d = 0; d < half; ++d) {
+      const double inv_freq = 1.0 / std::pow(w.rope_base, static_cast<double>(2 * d) / static_cast<double>(D));
+      const double ang = static_cast<double>(positions[i]) * inv_freq;
+      cosv[i * half + d] = static_cast<float>(std::cos(ang));
+      sinv[i * half + d] = static_cast<float>(std::sin(ang));
+    }
+  }
+}
+
+// Row i = (b, j) of k/v [M, Hkv * D] into layer l's cache at slot prefix_lens[b] + j of cache row cache_rows[b].
+void write_cache(const ForwardBatch& f, int64_t l, const float* k, const float* v, int64_t Hkv, int64_t D) {
+  for (int64_t i = 0; i < f.B * f.N; ++i) {
+    const int64_t b = i / f.N, j = i % f.N, slot = f.prefix_lens[b] + j;
+    for (int64_t hh = 0; hh < Hkv; ++hh) {
+      const int64_t off = ((f.cache_rows[b] * Hkv + hh) * f.capacity + slot) * D;
+      std::memcpy(f.keys[l] + off, k + (i * Hkv + hh) * D, D * sizeof(float));
+      std::memcpy(f.values[l] + off, v + (i * Hkv + hh) * D, D * sizeof(float));
+    }
+  }
+}
+
 }  // namespace
 
 bool forward_available() {
@@ -252,10 +287,7 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
   const int64_t M = f.B * f.N, G = Hq / Hkv, L = static_cast<int64_t>(w.layers.size());
   const AttendFn attend_kernel = attend_for(G, D);
   if (M == 0) return;
-  for (int64_t b = 0; b < f.B; ++b) {
-    check(f.prefix_lens[b] >= 0 && f.prefix_lens[b] + f.N <= f.capacity, "prefix_lens + N exceed the cache capacity");
-    check(f.cache_rows[b] >= 0 && f.cache_rows[b] < f.cache_batch, "cache_rows: out of range");
-  }
+  check_cache_slots(f);
   for (int64_t i = 0; i < M; ++i) check(f.tokens[i] >= 0 && f.tokens[i] < V, "tokens: outside the vocabulary");
   for (int64_t i = 0; i < f.n_logit_rows; ++i) check(f.logit_rows[i] >= 0 && f.logit_rows[i] < M, "logit_rows: out of range");
 
@@ -278,17 +310,9 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
     }
     max_vis = std::max(max_vis, vis_start[i + 1] - vis_start[i]);
   }
-  // RoPE tables per query row
   const int64_t half = D / 2;
-  std::vector<float> cosv(M * half), sinv(M * half);
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t d = 0; d < half; ++d) {
-      const double inv_freq = 1.0 / std::pow(w.rope_base, static_cast<double>(2 * d) / static_cast<double>(D));
-      const double ang = static_cast<double>(f.positions[i]) * inv_freq;
-      cosv[i * half + d] = static_cast<float>(std::cos(ang));
-      sinv[i * half + d] = static_cast<float>(std::sin(ang));
-    }
-  }
+  std::vector<float> cosv, sinv;
+  rope_tables(w, f.positions, M, cosv, sinv);
 
   std::vector<float> x(M * H), h(M * H), q(M * Hq * D), k(M * Hkv * D), v(M * Hkv * D), att(M * Hq * D);
   std::vector<float> gate(M * F), up(M * F);
@@ -317,16 +341,9 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
                       w.rms_eps);
     }
     // the new rows' keys and values go into the cache before any row attends (a node sees its ancestors)
-    float* Kc = f.keys[l];
-    float* Vc = f.values[l];
-    for (int64_t i = 0; i < M; ++i) {
-      const int64_t b = i / f.N, j = i % f.N, slot = f.prefix_lens[b] + j;
-      for (int64_t hh = 0; hh < Hkv; ++hh) {
-        const int64_t off = ((f.cache_rows[b] * Hkv + hh) * f.capacity + slot) * D;
-        std::memcpy(Kc + off, k.data() + (i * Hkv + hh) * D, D * sizeof(float));
-        std::memcpy(Vc + off, v.data() + (i * Hkv + hh) * D, D * sizeof(float));
-      }
-    }
+    write_cache(f, l, k.data(), v.data(), Hkv, D);
+    const float* Kc = f.keys[l];
+    const float* Vc = f.values[l];
     parallel(M * Hkv, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores(static_cast<size_t>(G * std::max<int64_t>(max_vis, 1)));
       for (int64_t t = t0; t < t1; ++t) {
@@ -367,9 +384,34 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
     linear(w.head, qa, f.logits, w.head.rows, parallel);
   }
 }
+
+void context_kv(const ModelWeights& w, const float* hidden, const ForwardBatch& f, const ParallelFor& parallel) {
+  check(forward_available(), "the GGUF forward needs AVX-512F");
+  const int64_t H = w.hidden, Hkv = w.kv_heads, D = w.head_dim, M = f.B * f.N, half = D / 2;
+  check(D % 16 == 0 && D <= 128 && H % kBlock == 0, "head_dim: a multiple of 16 up to 128; hidden: of 32");
+  if (M == 0) return;
+  check_cache_slots(f);
+  std::vector<float> cosv, sinv, k(M * Hkv * D), v(M * Hkv * D);
+  rope_tables(w, f.positions, M, cosv, sinv);
+  Quantized qa;
+  qa.set(hidden, M, H, parallel);  // once: every layer projects the same rows
+  for (int64_t l = 0; l < static_cast<int64_t>(w.layers.size()); ++l) {
+    const LayerWeights& lw = w.layers[l];
+    linear(lw.k, qa, k.data(), Hkv * D, parallel);
+    linear(lw.v, qa, v.data(), Hkv * D, parallel);
+    for (int64_t i = 0; i < M; ++i) {
+      norm_rope_heads(k.data() + i * Hkv * D, Hkv, lw.k_norm, cosv.data() + i * half, sinv.data() + i * half, D,
+                      w.rms_eps);
+    }
+    write_cache(f, l, k.data(), v.data(), Hkv, D);
+  }
+}
 #else
 bool forward_available() { return false; }
 void forward(const ModelWeights&, const ForwardBatch&, const ParallelFor&) {
+  throw std::invalid_argument("the GGUF forward needs an x86-64 build with AVX-512");
+}
+void context_kv(const ModelWeights&, const float*, const ForwardBatch&, const ParallelFor&) {
   throw std::invalid_argument("the GGUF forward needs an x86-64 build with AVX-512");
 }
 #endif

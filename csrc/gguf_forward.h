@@ -79,6 +79,12 @@ bool forward_available();
 // Throws std::invalid_argument on inconsistent sizes (the bindings check tensors before calling).
 void forward(const ModelWeights& w, const ForwardBatch& batch, const ParallelFor& parallel);
 
+// Only the keys and values of every layer for rows whose layer input is given (a DFlash drafter's context rows:
+// each layer projects the same hidden rows). hidden [B * N, hidden] f32; keys are RMS-normed per head (k_norm)
+// and rotated at f.positions, like the forward's; both are written at slot prefix_lens[b] + j of cache row
+// cache_rows[b]. Reads f.B, f.N, positions, prefix_lens, cache_rows, keys, values, cache_batch, capacity.
+void context_kv(const ModelWeights& w, const float* hidden, const ForwardBatch& batch, const ParallelFor& parallel);
+
 // Dequantised rows of a packed matrix: out[i, :] = row ids[i] (exact float32 weights).
 void dequantize_packed_rows(const PackedMatrix& m, const int64_t* ids, int64_t n, float* out);
 

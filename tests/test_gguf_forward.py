@@ -236,13 +236,19 @@ def test_block_draft_equals_the_torch_layers_on_the_same_blocks(tiny):
     enable_block_draft(blocks)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     feats = torch.randn(2, 9, 2 * 64)
-    outs = []
+    outs, states = [], []
     for d in (torch_q8, blocks):
         st = d.new_state(2)
         d.append_context(st, feats[:, :6])
         d.append_context(st, feats[1:, 6:], rows=slice(1, 2))  # rows of different context lengths
+        states.append(st)
         outs.append(d.draft(st, torch.tensor([3, 9]), embed, head, num_positions=3))
     (lt, ht), (lb, hb) = outs
+    # the context rows' keys and values (one C++ call on the block path): the same projections, k-norm and RoPE
+    for bt, bb in zip(states[0].k_buf + states[0].v_buf, states[1].k_buf + states[1].v_buf):
+        for row, n in ((0, 6), (1, 9)):
+            ref, got = bt[row, :, :n], bb[row, :, :n]
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
     assert torch.allclose(hb, ht, rtol=1e-4, atol=1e-4 * ht.abs().max())
     # the block path's head also quantises its activations: logits agree to that rounding
     assert torch.allclose(lb, lt, atol=0.02 * lt.abs().max())

@@ -607,15 +607,16 @@ class DFlashDrafter(nn.Module):
         sl = self._rows(state, rows, R, "ctx_features")
         self._reserve(state, state.bound + T)
         h = self.project_context(ctx_features)
-        dev = h.device
         lengths = state.lengths[sl]
-        pos = lengths[:, None] + torch.arange(T, device=dev)
-        kvs = self._context_kv(h, pos)
-        c = self.config
-        index = pos[:, None, :, None].expand(R, c.num_key_value_heads, T, c.head_dim)
-        for l, (k, v) in enumerate(kvs):
-            state.k_buf[l][sl].scatter_(2, index, k.to(state.k_buf[l].dtype))
-            state.v_buf[l][sl].scatter_(2, index, v.to(state.v_buf[l].dtype))
+        if self.block_draft is not None:
+            self.block_draft.append_kv(state, sl, h)
+        else:
+            pos = lengths[:, None] + torch.arange(T, device=h.device)
+            c = self.config
+            index = pos[:, None, :, None].expand(R, c.num_key_value_heads, T, c.head_dim)
+            for l, (k, v) in enumerate(self._context_kv(h, pos)):
+                state.k_buf[l][sl].scatter_(2, index, k.to(state.k_buf[l].dtype))
+                state.v_buf[l][sl].scatter_(2, index, v.to(state.v_buf[l].dtype))
         lengths += T if counts is None else counts.to(torch.int64)
         if counts is None and state.host_lengths is not None:
             host = list(state.host_lengths)

@@ -5,10 +5,11 @@ call.
 
 A drafter layer is a Qwen3 decoder layer (q/k norms, RoPE, GQA, SwiGLU) whose block rows attend to the row's
 context K/V and to each other (bidirectionally): exactly the forward's visibility with the context as the
-prefix and every block node visible to every other. The context K/V are still written by
-:meth:`taps.models.drafter.DFlashDrafter.append_context` in PyTorch, through the same Q8_0 projections
-(:func:`enable_block_draft` swaps the layers' linear modules for :class:`BlockLinear`, whose packed weights
-this forward reads), so context and block rows are projected alike.
+prefix and every block node visible to every other. The context rows' K/V are written by
+:meth:`BlockDraft.append_kv` (called from :meth:`taps.models.drafter.DFlashDrafter.append_context` after its
+``fc`` and norm in PyTorch) through the same packed projections, k-norm and RoPE as the block rows, one C++
+call for every layer (:func:`enable_block_draft` also swaps the layers' linear modules for
+:class:`BlockLinear`, whose packed weights both read).
 
 Draft logits only propose tokens; the target verifies them, so none of this changes a generated token.
 """
@@ -75,6 +76,8 @@ class BlockDraft:
         self.config = {"hidden": c.hidden_size, "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
                        "head_dim": c.head_dim, "ffn": c.intermediate_size, "vocab": c.vocab_size,
                        "rms_eps": float(c.rms_norm_eps), "rope_base": float(c.rope_theta)}
+        # the layers alone (no embedding, no head): the context rows' keys and values
+        self._context = _C.GGUFModel(self.config, self.layers, None, self.final_norm, None)
         self._model = None
         self._key = None
         self._last = torch.tensor([len(self.layers) - 1], dtype=torch.int64)
@@ -98,6 +101,13 @@ class BlockDraft:
         head = (self._C.gguf_pack(head_raw, ht, H, "head"), ht, head_raw.shape[0], H)
         self._model = self._C.GGUFModel(self.config, self.layers, embed, self.final_norm, head)
         self._key = key
+
+    @torch.no_grad()
+    def append_kv(self, state, sl: slice, hidden: torch.Tensor) -> None:
+        """Every layer's keys and values of ``hidden [R, T, H]`` (the projected context rows) into state rows
+        ``sl`` at slots ``lengths .. lengths + T - 1``: the projections, k-norm and RoPE of the draft's own rows."""
+        self._context.context_kv(hidden.float().contiguous(), state.lengths[sl].contiguous(),
+                                 torch.arange(sl.start, sl.stop), state.k_buf, state.v_buf)
 
     @torch.no_grad()
     def draft(self, state, sl: slice, bonus_tokens: torch.Tensor, embed_tokens, lm_head, P: int, S: int,
