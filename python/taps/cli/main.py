@@ -1,4 +1,5 @@
-"""The ``taps`` console script: ``taps demo | generate | bench`` (+ the training subcommands when present).
+"""The ``taps`` console script: ``taps demo | generate | bench | export-drafter`` (+ the training subcommands when
+present).
 
 Bad input (missing model files, an incompatible drafter, an empty or too long
 prompt, ``--max-new-tokens < 1``, an unknown policy) ends with one line on
@@ -29,11 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
         train = None  # training extras not installed: inference commands still work
     if train is not None and hasattr(train, "add_subcommands"):
         train.add_subcommands(sub)
-    from . import report, scorer_cmds
+    from . import export_drafter, report, scorer_cmds
 
     scorer_cmds.add_subcommands(sub)  # traces, train-scorer, eval-scorer, calibrate
     bench.add_suite_subcommand(sub)
     report.add_subcommand(sub)
+    export_drafter.add_subcommand(sub)
     return ap
 
 

