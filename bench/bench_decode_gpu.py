@@ -269,21 +269,17 @@ def verify_table(target, layer_ids, nodes, batches, prefix, iters, device, seed)
 
 
 def interp_ms(table, batch, nodes):
-    """Verify milliseconds at ``batch`` and (fractional) ``nodes`` per row: the measured points made
-    non-decreasing (noise can invert neighbours), linear in between, the last segment extended past the grid.
-    Returns ``(ms, extrapolated)``."""
-    from taps.decode.latency import isotonic
+    """Verify milliseconds at ``batch`` and (fractional) ``nodes`` per row (root included), read from the
+    measured points of that batch as a :class:`taps.decode.latency.LatencyTable` (points made non-decreasing,
+    linear in between, the table's one rule past the grid). Returns ``(ms, extrapolated)``."""
+    from taps.decode.latency import LatencyTable
 
-    pts = sorted((r["nodes"], r["ms"]) for r in table if r["batch"] == batch)
+    pts = {int(r["nodes"]) - 1: r["ms"] / 1e3 for r in table if r["batch"] == batch}  # n = nodes past the root
     if not pts:
         return None, False
-    xs, ys = [x for x, _ in pts], isotonic([y for _, y in pts])
-    if nodes <= xs[0] or len(xs) == 1:
-        return ys[0], nodes > xs[0]
-    for x0, y0, x1, y1 in zip(xs, ys, xs[1:], ys[1:]):
-        if nodes <= x1:
-            return y0 + (y1 - y0) * (nodes - x0) / (x1 - x0), False
-    return ys[-1] + (ys[-1] - ys[-2]) * (nodes - xs[-1]) / (xs[-1] - xs[-2]), True
+    lat = LatencyTable.from_points(pts)
+    n = nodes - 1
+    return 1e3 * lat.seconds(1, n), n > len(lat.latency) - 1
 
 
 class BackendRecorder:

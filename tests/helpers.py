@@ -66,14 +66,68 @@ def make_tree(rows, N: Optional[int] = None) -> Tree:
     return Tree(tokens, parents, depth, num_nodes)
 
 
-def random_tree(rng: random.Random, B: int, N: int, vocab: int = 50, full: bool = False) -> Tree:
-    """Random ragged trees: row 0 (or every row with ``full``) has ``N`` nodes; bushy and deep parents mixed."""
+#: How :func:`random_tree` picks node ``i``'s parent among the earlier nodes ``0..i-1``.
+PARENT_RULES = ("mixed", "uniform", "recent", "chain", "star")
+
+
+def random_tree(rng, B: int, N: int, vocab: int = 50, num_nodes: Optional[Sequence[int]] = None,
+                parents: str = "mixed", window: int = 3) -> Tree:
+    """The tests' one random-tree builder: a padded batch ``Tree`` of ``B`` rows and ``N`` columns.
+
+    Args:
+        rng: a ``random.Random`` or an int seed.
+        num_nodes: real nodes per row (``B`` ints in ``[1, N]``); default: row 0 has ``N``, every other row a
+            random count in ``[1, N]`` (ragged, with padding).
+        parents: ``"mixed"`` (even odds of ``"uniform"`` and ``"recent"``: bushy and deep trees), ``"uniform"``
+            (any earlier node), ``"recent"`` (one of the ``window`` latest nodes: deep, like draft trees),
+            ``"chain"`` (``i - 1``: deepest) or ``"star"`` (the root: widest).
+        vocab: tokens of real nodes (root included) uniform in ``[0, vocab)``; padding tokens are 0.
+    Returns:
+        ``Tree`` with ``tokens [B,N] int64``, ``parents [B,N] int32`` (topological), ``depth [B,N] int32``,
+        ``num_nodes [B] int32``.
+    """
+    rng = rng if isinstance(rng, random.Random) else random.Random(rng)
+    if parents not in PARENT_RULES:
+        raise ValueError(f"parents: expected one of {PARENT_RULES}, received {parents!r}")
+    if num_nodes is not None and (len(num_nodes) != B or not all(1 <= n <= N for n in num_nodes)):
+        raise ValueError(f"num_nodes: expected {B} counts in [1, {N}], received {list(num_nodes)}")
+
+    def parent(i: int) -> int:
+        rule = parents
+        if rule == "mixed":
+            rule = "uniform" if rng.random() < 0.5 else "recent"
+        if rule == "uniform":
+            return rng.randrange(i)
+        if rule == "recent":
+            return rng.randrange(max(0, i - window), i)
+        return i - 1 if rule == "chain" else 0
+
     rows = []
     for b in range(B):
-        n = N if (full or b == 0) else rng.randint(1, N)
-        par = [-1] + [rng.randrange(i) if rng.random() < 0.5 else rng.randrange(max(0, i - 3), i) for i in range(1, n)]
+        n = num_nodes[b] if num_nodes is not None else N if b == 0 else rng.randint(1, N)
+        par = [-1] + [parent(i) for i in range(1, n)]
         rows.append((par, [rng.randrange(vocab) for _ in range(n)]))
     return make_tree(rows, N)
+
+
+def tree_rows(tree: Tree, b: int = 0):
+    """Row ``b`` of ``tree`` as host lists ``(parents, tokens)`` of its real nodes."""
+    n = int(tree.num_nodes[b])
+    return tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist()
+
+
+def assert_within_torch_error(got: torch.Tensor, torch_out: torch.Tensor, reference: torch.Tensor,
+                              factor: float = 2.0, what: str = "") -> None:
+    """flash-attention's tolerance rule: the largest error of ``got`` against ``reference`` (the same computation
+    in higher precision, float64) is at most ``factor`` times that of ``torch_out`` (PyTorch's own computation at
+    ``got``'s precision), and never below ``factor`` roundings of the reference to that precision. Adapts to
+    dtype and shape; no fixed tolerance table."""
+    ref = reference.detach().double()
+    err = (got.detach().double() - ref).abs().max().item()
+    torch_err = (torch_out.detach().double() - ref).abs().max().item()
+    rounding = (ref.to(got.dtype).double() - ref).abs().max().item()
+    bound = factor * max(torch_err, rounding)
+    assert err <= bound, f"{what}: error {err:.3g} above {factor} x PyTorch's {torch_err:.3g} (rounding {rounding:.3g})"
 
 
 def random_scorer(tiny: bool, seed: int = 3, hidden: int = 32, max_depth: int = 8, top_k: int = 8):

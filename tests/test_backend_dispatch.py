@@ -30,22 +30,83 @@ def test_every_registered_op_has_a_row_with_reasons():
                 assert bk.has_impl(op, name), f"{op}: preferred backend {name!r} has no implementation"
 
 
-def test_explain_names_each_choice_and_every_unavailable_backend(monkeypatch):
+#: The default each op must get with every backend built, ``(on CUDA tensors, on CPU tensors)``; for
+#: ``rows_linear`` at explain's example call (one float32 row). Written out here, not read from
+#: ``backend.PREFERENCES``, so a wrong entry there (or a wrong rule in the choice) fails; a new op adds its row.
+EXPECTED = {
+    "topk_stats": ("triton", "cpp"),
+    "best_first_pool": ("triton", "cpp"),
+    "propagate_reach": ("triton", "cpp"),
+    "select_subtree": ("triton", "cpp"),
+    "reindex_subtree": ("triton", "cpp"),
+    "tree_mask": ("cuda", "cpp"),
+    "tree_attention": ("triton", "reference"),
+    "accept_greedy": ("cuda", "cpp"),
+    "compact_kv": ("cuda", "cpp"),
+    "score_edges": ("triton", "cpp"),
+    "lookup_chain": ("reference", "cpp"),
+    "graft_chain": ("reference", "cpp"),
+    "rows_linear": ("reference", "cpp"),
+}
+
+#: Per-call rules: ``(op, device, call context, default with every backend built)``.
+CALLS = [
+    ("rows_linear", "cpu", dict(rows=1, dtype=torch.float32), "cpp"),
+    ("rows_linear", "cpu", dict(rows=32, dtype=torch.float32), "cpp"),
+    ("rows_linear", "cpu", dict(rows=33, dtype=torch.float32), "reference"),  # prefill sizes: BLAS
+    ("rows_linear", "cpu", dict(rows=4, dtype=torch.float64), "reference"),
+    ("rows_linear", "cpu", dict(rows=4, dtype=torch.bfloat16), "reference"),
+    ("rows_linear", "cuda", dict(rows=4, dtype=torch.float32), "reference"),  # cuBLAS
+    ("best_first_pool", "cuda", dict(pool_size=1024), "triton"),
+    ("best_first_pool", "cuda", dict(pool_size=1025), "reference"),  # more than the kernel holds
+    ("best_first_pool", "cpu", dict(pool_size=5000), "cpp"),
+]
+
+
+def _on_this_machine(want: str, op: str) -> str:
+    """``want`` where this machine built it, else the reference (what every order ends with)."""
+    cpp = bk.load_extension("_C")[0]
+    missing = {"cpp": cpp is None or (op == "rows_linear" and not cpp.rows_linear_vectorized()),
+               "cuda": bk.load_extension("_C_cuda")[0] is None,
+               "triton": bool(bk.unavailable_reason("triton", CUDA))}
+    return "reference" if missing.get(want, False) else want
+
+
+def test_every_op_chooses_the_backend_of_the_written_table(monkeypatch):
+    monkeypatch.delenv("TAPS_BACKEND", raising=False)
+    assert set(EXPECTED) == set(bk.PREFERENCES)
+    for device in ("cpu", "cuda"):
+        table = bk.explain_dict(device=device)
+        text = tk.explain(device=device)
+        assert set(table) == set(EXPECTED)
+        for op, (on_cuda, on_cpu) in EXPECTED.items():
+            want = _on_this_machine(on_cpu if device == "cpu" else on_cuda, op)
+            ctx = dict(rows=1, dtype=torch.float32) if op == "rows_linear" else {}
+            assert table[op]["backend"] == want, (op, device, table[op])
+            assert bk.resolve(op, None, torch.device(device), **ctx)[0] == want, (op, device)
+            assert f"  {op}: {want}" in text, (op, device)
+
+
+@pytest.mark.parametrize("op,device,ctx,want", CALLS,
+                         ids=[f"{c[0]}-{c[1]}-" + "-".join(f"{k}={v}" for k, v in c[2].items()) for c in CALLS])
+def test_per_call_rules_choose_the_written_backend(monkeypatch, op, device, ctx, want):
+    monkeypatch.delenv("TAPS_BACKEND", raising=False)
+    assert bk.resolve(op, None, torch.device(device), **ctx)[0] == _on_this_machine(want, op)
+
+
+def test_explain_names_every_unavailable_backend_with_its_reason(monkeypatch):
     monkeypatch.delenv("TAPS_BACKEND", raising=False)
     for device in ("cpu", "cuda"):
         table = bk.explain_dict(device=device)
         text = tk.explain(device=device)
-        assert set(table) == set(bk.PREFERENCES)
         for op, entry in table.items():
+            assert entry["why"] and entry["why"] in text, op
+            # the other device's backends can never run here, whatever is built
+            assert ("cuda" if device == "cpu" else "cpp") in entry["unavailable"], (op, device)
             ctx = entry.get("context", {})
-            dtype = getattr(torch, ctx["dtype"]) if "dtype" in ctx else None
-            chosen = bk.resolve(op, None, torch.device(device), **{**ctx, **({"dtype": dtype} if dtype else {})})[0]
-            assert entry["backend"] == chosen, op
-            assert entry["why"], op
-            assert f"  {op}: {chosen}" in text, op
-            assert entry["why"] in text
+            ctx = {**ctx, **({"dtype": getattr(torch, ctx["dtype"])} if "dtype" in ctx else {})}
             for name in bk.BACKENDS:
-                reason = bk.unavailable_reason(name, device, op, **{**ctx, **({"dtype": dtype} if dtype else {})})
+                reason = bk.unavailable_reason(name, device, op, **ctx)
                 assert (name in entry["unavailable"]) == bool(reason), (op, name)
                 if reason:
                     assert f"      {name}: unavailable - {reason}" in text

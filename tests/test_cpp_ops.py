@@ -22,7 +22,7 @@ import taps_kernels as tk
 from taps_kernels import backend as bk
 from taps_kernels.layout import Tree, validate_tree
 
-from helpers import make_tree, random_tree
+from helpers import make_tree, random_tree, tree_rows
 
 CPU = torch.device("cpu")
 _WHY = bk.unavailable_reason("cpp", CPU)
@@ -329,8 +329,8 @@ def _closed_subsets(parents, n_real, size):
 def test_select_subtree_brute_force_oracle(seed):
     rng = random.Random(seed)
     n_real = rng.randint(2, 10)
-    par = [-1] + [rng.randrange(i) for i in range(1, n_real)]
-    tree = make_tree([(par, [0] * n_real)])
+    tree = random_tree(rng, 1, n_real, vocab=1, parents="uniform")
+    par = tree_rows(tree)[0]
     # Monotone reach from edge probabilities, accumulated here (not by propagate_reach).
     logr = [0.0] * n_real
     for i in range(1, n_real):

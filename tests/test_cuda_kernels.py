@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import random_tree
 from taps_kernels import backend
-from taps_kernels.layout import Tree
 from taps_kernels.reference import accept_greedy_reference, compact_kv_reference, tree_mask_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,24 +240,9 @@ def _cuda_ext_or_skip():
 
 
 def _tree(B, N, vocab, seed, shape="random"):
-    """Batch of trees on the host. ``shape``: random / chain (deepest) / star (widest); rows after the
-    first get fewer real nodes (padding)."""
-    g = torch.Generator().manual_seed(seed)
-    parents = torch.full((B, N), -1, dtype=torch.int32)
-    depth = torch.zeros((B, N), dtype=torch.int32)
-    tokens = torch.zeros((B, N), dtype=torch.int64)
-    num_nodes = [N] + [max(1, N - 3 * b - int(torch.randint(N, (1,), generator=g)) // 2) for b in range(1, B)]
-    for b in range(B):
-        tokens[b, : num_nodes[b]] = torch.randint(vocab, (num_nodes[b],), generator=g)
-        for i in range(1, num_nodes[b]):
-            if shape == "chain":
-                p = i - 1
-            elif shape == "star":
-                p = 0
-            else:
-                p = int(torch.randint(max(0, i - 4) if i % 3 else 0, i, (1,), generator=g))
-            parents[b, i], depth[b, i] = p, depth[b, p] + 1
-    return Tree(tokens, parents, depth, torch.tensor(num_nodes, dtype=torch.int32))
+    """Batch of trees on the host. ``shape``: random (parents among the 4 latest or any earlier node) / chain
+    (deepest) / star (widest); rows after the first get fewer real nodes (padding)."""
+    return random_tree(seed, B, N, vocab=vocab, parents={"random": "mixed"}.get(shape, shape), window=4)
 
 
 def _walking_target(tree, seed):

@@ -9,7 +9,7 @@ from transformers.generation.streamers import BaseStreamer
 import taps.hf
 from helpers import hf_greedy, random_scorer, tiny_drafter, tiny_target
 from taps.scoring.io import save_scorer
-from taps.scoring.latency import save_table
+from taps.decode.latency import save_table
 
 V = 61
 POLICIES = ["ar", "dflash", "ddtree:8", "taps", "taps-lookup", "lookup"]

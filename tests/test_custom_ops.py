@@ -6,8 +6,8 @@ capture of the same ops is in tests/test_cuda_kernels.py (marked gpu).
 import pytest
 import torch
 
+from helpers import random_tree
 from taps_kernels import custom_ops  # noqa: F401  (registers torch.ops.taps.*)
-from taps_kernels.layout import Tree
 from taps_kernels.reference import (accept_greedy_reference, compact_kv_reference, tree_attention_reference,
                                     tree_mask_reference)
 
@@ -15,30 +15,29 @@ from taps_kernels.reference import (accept_greedy_reference, compact_kv_referenc
 ATTN_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
 
-def random_tree(B, N, vocab, seed, num_nodes=None, max_children=None):
-    """Random topological trees; row b has ``num_nodes[b]`` real nodes (default N), tokens in [0, vocab)."""
-    g = torch.Generator().manual_seed(seed)
-    num_nodes = [N] * B if num_nodes is None else num_nodes
-    parents = torch.full((B, N), -1, dtype=torch.int32)
-    depth = torch.zeros((B, N), dtype=torch.int32)
-    tokens = torch.zeros((B, N), dtype=torch.int64)
-    for b in range(B):
-        tokens[b, 0] = int(torch.randint(vocab, (1,), generator=g))
-        for i in range(1, num_nodes[b]):
-            p = int(torch.randint(i, (1,), generator=g))
-            parents[b, i], depth[b, i] = p, depth[b, p] + 1
-            tokens[b, i] = int(torch.randint(vocab, (1,), generator=g))
-    return Tree(tokens, parents, depth, torch.tensor(num_nodes, dtype=torch.int32))
-
-
 @pytest.fixture
 def case():
     """Two trees of 37 rows (two mask words, bit 31 used), the second padded after 20 nodes; a tiny
     vocabulary so that several children carry the target's token (the smallest-index tie rule matters)."""
-    tree = random_tree(2, 37, vocab=3, seed=1, num_nodes=[37, 20])
+    tree = random_tree(7, 2, 37, vocab=3, num_nodes=[37, 20], parents="uniform")
     prefix_lens = torch.tensor([5, 11], dtype=torch.int64)
     target = torch.randint(3, (2, 37), generator=torch.Generator().manual_seed(2))
     return tree, prefix_lens, target
+
+
+def _ties_on_the_walk(tree, target) -> int:
+    """Steps of the greedy walk where two or more children carry the target's token."""
+    ties = 0
+    for b in range(tree.batch_size):
+        n, cur = int(tree.num_nodes[b]), 0
+        while True:
+            kids = [j for j in range(cur + 1, n) if int(tree.parents[b, j]) == cur
+                    and int(tree.tokens[b, j]) == int(target[b, cur])]
+            ties += len(kids) >= 2
+            if not kids:
+                break
+            cur = kids[0]
+    return ties
 
 
 def _cache(B, H, L, Dh, seed):
@@ -69,6 +68,7 @@ def test_ops_equal_references(case):
     ref_pos, ref_bits = tree_mask_reference(tree.parents, tree.depth, tree.num_nodes, prefix_lens)
     assert torch.equal(pos, ref_pos) and torch.equal(bits, ref_bits)
     assert (bits < 0).any(), "the case must exercise bit 31 (the int32 sign bit)"
+    assert _ties_on_the_walk(tree, target) >= 2, "the case must exercise the smallest-index rule"
 
     max_depth = int(tree.depth.max())
     got = custom_ops.accept_greedy(tree, target, max_depth)

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import taps_kernels  # noqa: E402
 from taps_kernels.integrations import transformers as taps_hf  # noqa: E402
+from helpers import random_tree  # noqa: E402
 from taps_kernels.layout import Tree  # noqa: E402
 
 VOCAB, PROMPT = 61, 7
@@ -52,20 +53,8 @@ def _cache_kwarg(model):
 
 
 def _random_trees(B, N, seed):
-    """Random trees; the last row is padded (fewer real nodes) to cover padding rows."""
-    g = torch.Generator().manual_seed(seed)
-    parents = torch.full((B, N), -1, dtype=torch.int32)
-    depth = torch.zeros((B, N), dtype=torch.int32)
-    tokens = torch.zeros((B, N), dtype=torch.int64)
-    num_nodes = [N] * (B - 1) + [max(2, N - 4)]
-    for b in range(B):
-        tokens[b, 0] = int(torch.randint(VOCAB, (1,), generator=g))
-        for i in range(1, num_nodes[b]):
-            # Bias towards recent nodes so trees get deep as well as wide.
-            p = int(torch.randint(max(0, i - 3), i, (1,), generator=g))
-            parents[b, i], depth[b, i] = p, depth[b, p] + 1
-            tokens[b, i] = int(torch.randint(VOCAB, (1,), generator=g))
-    return Tree(tokens, parents, depth, torch.tensor(num_nodes, dtype=torch.int32))
+    """Deep as well as wide trees (parents among the 3 latest nodes); the last row padded to cover padding rows."""
+    return random_tree(seed, B, N, vocab=VOCAB, num_nodes=[N] * (B - 1) + [max(2, N - 4)], parents="recent")
 
 
 def _prompt(B, seed):

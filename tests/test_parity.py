@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import taps_kernels as tk
-from helpers import make_tree
+from helpers import make_tree, random_tree, tree_rows
 from taps_kernels import backend
 
 CPU = torch.device("cpu")
@@ -63,9 +63,8 @@ def test_accept_greedy_on_random_trees_with_duplicates_matches_a_first_match_wal
     rng = random.Random(4)
     for _ in range(40):
         n = rng.randint(1, 14)
-        par = [-1] + [rng.randrange(i) for i in range(1, n)]
-        tok = [rng.randrange(3) for _ in range(n)]  # 3 tokens: duplicates among siblings are common
-        tree = make_tree([(par, tok)], n)
+        tree = random_tree(rng, 1, n, vocab=3, parents="uniform")  # 3 tokens: duplicate siblings are common
+        par, tok = tree_rows(tree)
         target = torch.tensor([[rng.randrange(3) for _ in range(n)]])
         cur, want = 0, [0]
         while True:

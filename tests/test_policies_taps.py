@@ -10,7 +10,7 @@ from taps.decode.policies import PolicyError, policy_options
 from taps.decode.policies import Stopwatch, available_policies
 from taps.decode.policies.taps import TapsPolicy
 from taps.scoring.io import save_scorer
-from taps.scoring.latency import save_table
+from taps.decode.latency import save_table
 
 from helpers import V, hf_greedy, random_scorer, tiny_drafter, tiny_target
 

@@ -9,7 +9,7 @@ from helpers import hf_greedy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps.decode.latency import round_seconds
 from taps.scoring.evaluate import evaluate_scorer, reliability
-from taps.scoring.latency import drafter_key, get_table, isotonic, measure_latency
+from taps.decode.latency import drafter_key, get_table, isotonic, measure_latency
 from taps.scoring.traces import accepted_mask, load_traces, split_by_prompt, stack_records, trace_prompt
 from taps.scoring.model import TapsScorer
 from taps.scoring.train import DEPTH_TABLE, edge_targets, train_scorer
@@ -204,7 +204,7 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
     assert len(by_pos) == drafter.config.block_size - 1 and all(b >= a > 0 for a, b in zip(by_pos, by_pos[1:]))
     assert parts["draft"] == by_pos[-1] and t["t0"] == parts["draft"] + parts["context"]
     assert round_seconds(t) == t["t0"] and round_seconds(t, 1) == by_pos[0] + parts["context"]
-    assert round_seconds(t, 99) == t["t0"] and round_seconds({"t0": 0.5}, 3) == 0.5
+    assert round_seconds(t, 99) == t["t0"] and round_seconds({"latency": [0.1], "t0": 0.5}, 3) == 0.5
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
     monkeypatch.delenv("TAPS_LATENCY", raising=False)
     t1 = get_table(target, None, n_max=6, repeats=1)
@@ -282,7 +282,7 @@ def test_save_table_from_two_processes_at_once(tmp_path):
 
 
 def _save_many(table, path):
-    from taps.scoring.latency import save_table
+    from taps.decode.latency import save_table
 
     for _ in range(200):
         save_table(table, path)

@@ -227,7 +227,7 @@ def test_leaf_bound_and_prefix_closure_properties():
     rng = random.Random(7)
     for _ in range(40):
         n = rng.randint(3, 12)
-        tree = random_tree(rng, 1, n, full=True)
+        tree = random_tree(rng, 1, n)
         lr = quantised_reach(rng, tree)
         m, cap = rng.randint(1, n), rng.randint(1, 4)
         sel = tk.select_subtree(tree, lr, m, rule="utility", max_leaves=cap, fill_below_threshold=True,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import taps_kernels
+from helpers import random_tree
 from taps_kernels.reference.attention import tree_attention_reference
 from taps_kernels.reference.mask import ancestor_bits_reference
 
@@ -38,25 +39,13 @@ TOL_OUT = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloa
 TOL_LSE = {torch.float32: (2e-5, 1e-5), torch.float16: (1e-4, 1e-4), torch.bfloat16: (1e-3, 1e-3)}
 
 
-def random_tree(B, N, seed, padded=True):
-    """Random parent pointers in topological order; the last row keeps 3 padding nodes when ``padded``."""
-    g = torch.Generator().manual_seed(seed)
-    parents = torch.full((B, N), -1, dtype=torch.int32)
-    num_nodes = torch.full((B,), N, dtype=torch.int32)
-    if padded and N > 4:
-        num_nodes[-1] = N - 3
-    for b in range(B):
-        for i in range(1, int(num_nodes[b])):
-            lo = max(0, i - 6)  # bias towards recent parents so trees get deep, like draft trees
-            parents[b, i] = int(torch.randint(lo, i, (1,), generator=g))
-    return parents, num_nodes
-
-
 def make_inputs(B, Hq, Hkv, N, Dh, prefix, dtype, seed, padded=True, spare=37):
     """q as a transposed view of ``[B, N, Hq, Dh]``; k/v as ``cache[:, :, :L]`` views with NaN in every row
     that no query may read (past L, and past each batch row's own tree)."""
     g = torch.Generator().manual_seed(seed)
-    parents, num_nodes = random_tree(B, N, seed, padded)
+    counts = [N] * (B - 1) + [N - 3 if padded and N > 4 else N]  # the last row keeps 3 padding nodes
+    tree = random_tree(seed, B, N, num_nodes=counts, parents="recent", window=6)  # deep, like draft trees
+    parents, num_nodes = tree.parents, tree.num_nodes
     bits = ancestor_bits_reference(parents, num_nodes)
     prefix_lens = torch.tensor(prefix, dtype=torch.int64)
     L = max(prefix) + N + 5
@@ -204,7 +193,8 @@ def test_nan_propagates_to_exactly_the_rows_that_see_it(device, splits):
     q[0, 1, 4] = float("nan")            # one query row
     k[0, 1, 17] = float("nan")           # a prefix key of row 0, kv head 1 (query heads 2, 3)
     v[1, 0, 5, 7] = float("nan")         # a prefix value of row 1, kv head 0, column 7
-    j = 6                                # a tree node of row 1: its v holds +inf in column 3
+    par1 = parents[1].tolist()
+    j = next(i for i in range(1, N) if i in par1)  # a tree node of row 1 with a child: its v holds +inf in col 3
     v[1, 1, P1 + j, 3] = float("inf")
     k[1, 0, P1 + 11, 0] = float("nan")   # a tree key of row 1, kv head 0
     got = run(device, q, k, v, bits, plen, num_splits=splits)
@@ -217,7 +207,7 @@ def test_nan_propagates_to_exactly_the_rows_that_see_it(device, splits):
     assert torch.isnan(out[1, :2, :, 7]).all() and torch.isfinite(lse[1, :2, :3]).all()
     sees = torch.tensor([bool((int(bits[1, i, j // 32]) >> (j % 32)) & 1) for i in range(N)])
     assert sees.sum() >= 2 and (~sees).sum() >= 2
-    assert torch.isnan(out[1, 2:, sees, 3]).all()                 # rows below node 6: NaN in that column
+    assert torch.isnan(out[1, 2:, sees, 3]).all()                 # rows below node j: NaN in that column
     assert torch.isfinite(out[1, 2:, ~sees]).all()                 # every other row of those heads: untouched
     assert torch.isfinite(out[1, 2:, sees][..., [c for c in range(Dh) if c != 3]]).all()
 

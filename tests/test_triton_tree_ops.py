@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import taps_kernels as tk
+from helpers import random_tree
 from taps_kernels.layout import Tree
 from taps_kernels.reference.pool import best_first_pool_reference, topk_stats_reference
 from taps_kernels.reference.reach import propagate_reach_reference
@@ -60,24 +61,6 @@ def pool_tree(B, D, K, V, pool_size, seed, quantised=False):
     tokens, parents, depth, num, logq, *_ = best_first_pool_reference(*lattice(B, D, K, V, seed, quantised),
                                                                       pool_size)
     return Tree(tokens, parents, depth, num), logq
-
-
-def random_tree(B, N, seed, pad=True, chain=0.5):
-    """Random topological trees of ``N`` rows: some deep (parent i-1), some bushy; ragged ``num_nodes``."""
-    g = torch.Generator().manual_seed(seed)
-    parents = torch.full((B, N), -1, dtype=torch.int32)
-    depth = torch.zeros(B, N, dtype=torch.int32)
-    num = torch.full((B,), N, dtype=torch.int32)
-    if pad and N > 1:
-        num = torch.randint(1, N + 1, (B,), generator=g).to(torch.int32)
-    for b in range(B):
-        for i in range(1, int(num[b])):
-            p = i - 1 if float(torch.rand(1, generator=g)) < chain else int(torch.randint(0, i, (1,), generator=g))
-            parents[b, i] = p
-            depth[b, i] = depth[b, p] + 1
-    tokens = torch.randint(0, 100, (B, N), generator=g) * (parents >= 0)
-    tokens[:, 0] = 7
-    return Tree(tokens, parents, depth, num)
 
 
 def to_dev(*ts):
@@ -138,7 +121,7 @@ def test_best_first_pool_public_op_and_limit():
 
 @pytest.mark.parametrize("B,N,seed", [(1, 1, 0), (2, 2, 1), (3, 17, 2), (2, 129, 3), (1, 300, 4)])
 def test_propagate_reach_random_trees(B, N, seed):
-    tree = random_tree(B, N, seed)
+    tree = random_tree(seed, B, N, vocab=100, window=1)  # parent i-1 or any earlier node, even odds
     g = torch.Generator().manual_seed(seed)
     edge = -torch.rand(B, N, generator=g) * 3
     edge[torch.rand(B, N, generator=g) < 0.1] = float("-inf")
@@ -203,7 +186,7 @@ def _select_tree(kind, B, n, seed, quantised):
     if kind == "pool":
         tree, logq = pool_tree(B, 5, 7, 40, n, seed, quantised)
     else:
-        tree = random_tree(B, n, seed)
+        tree = random_tree(seed, B, n, vocab=100, window=1)  # parent i-1 or any earlier node, even odds
         logq = -torch.rand(B, n, generator=torch.Generator().manual_seed(seed)).cumsum(1)
     return tree, _noisy_reach(tree, logq, seed, quantised)
 

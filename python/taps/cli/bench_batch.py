@@ -120,11 +120,14 @@ def make_batch_decoder(model, tok, drafter, spec: str, batch_size: int, sampling
 
 def latency_note(policy) -> Optional[str]:
     """Which latency table priced ``policy``'s batch trees (None: the policy reads none)."""
+    from taps.decode.latency import LatencyTable
+
     lat = getattr(policy, "_latency", None)
     if not lat:
         return None
-    n = len(lat["latency"]) - 1
-    rows = sorted(int(k) for k in (lat.get("batch_latency") or {}))
+    lat = LatencyTable.of(lat)
+    n = len(lat.latency) - 1
+    rows = lat.measured_rows
     if rows:
         return f"one-row table to {n} nodes; batch tables measured for {rows} rows"
     return f"one-row table to {n} nodes, no batch tables: a verify priced by its total rows"

@@ -185,7 +185,7 @@ def _cmd_eval(args):
     print(format_eval(ev))
     if args.latency:
         from taps.scoring.evaluate import replay_throughput
-        from taps.scoring.latency import load_table
+        from taps.decode.latency import load_table
 
         table = load_table(args.latency)
         over = json.loads(args.overhead_ms) if args.overhead_ms else {}
@@ -207,7 +207,7 @@ def _cmd_eval(args):
 
 def _cmd_calibrate(args):
     from taps.cli.common import load_drafter_cli, load_target_cli, quiet_warnings, setup_torch
-    from taps.scoring.latency import cache_path, measure_latency, save_table
+    from taps.decode.latency import cache_path, measure_latency, save_table
 
     quiet_warnings()
     setup_torch(args)

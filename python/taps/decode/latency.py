@@ -297,34 +297,143 @@ def _full_round(parts: dict) -> float:
     return parts["draft"] + parts["context"] if parts else 0.0
 
 
-def round_seconds(latency: dict, positions: Optional[int] = None) -> float:
-    """The fixed seconds of a drafted round: the draft pass (projecting ``positions`` block positions; default
-    all) plus the context update, from a table's ``t0_parts`` (its ``t0`` when they are absent)."""
-    parts = latency.get("t0_parts") or {}
-    by_positions = parts.get("draft_by_positions")
-    if positions is None or not by_positions:
-        return float(latency.get("t0", 0.0))
-    return float(by_positions[min(max(int(positions), 1), len(by_positions)) - 1]) + float(parts.get("context", 0.0))
+class LatencyTable:
+    """A measured verify-latency table: the JSON record ``taps calibrate`` writes (:func:`measure_latency`),
+    with the ONE way to read a cost from it.
+
+    Record fields read here: ``latency`` (``[L]`` seconds, ``latency[n]`` = one verify of one row's root + ``n``
+    nodes), ``batch_latency`` (optional ``{str(R): [R*n_max + 1] seconds}``: R rows holding ``n`` nodes in
+    total), ``t0`` (seconds of a drafted round outside the verify), ``t0_parts`` (``draft``, ``context``,
+    ``draft_by_positions [D]``). Other fields ride along unchanged (:meth:`to_dict`).
+
+    **Cost at (rows, nodes)** (:meth:`seconds`): from ``batch_latency[R]`` when measured for ``R = rows > 1``;
+    otherwise the one-row table by total verified rows, ``latency[rows - 1 + nodes]`` (the CPU model: a
+    verify's cost follows the rows it runs, whichever request they belong to). Fractional ``nodes`` (a mean
+    per round) interpolate linearly; below 0 the cost at 0.
+
+    **Past the table's end** (one rule for every reader): linear, with the mean slope over the measured range
+    ``max((t[-1] - t[0]) / (L - 1), 0)``, not the last step: a table often ends flat (two equal timings at
+    its largest sizes), and a zero slope would price every node past the end as free. This was the rule of
+    the policies' batch tables; the projection report used to hold the last value and the GPU benchmark
+    the last segment's slope, and both follow this rule now.
+    """
+
+    def __init__(self, record: dict):
+        lat = record.get("latency") if isinstance(record, dict) else None
+        if not isinstance(lat, list) or not lat or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x == x for x in lat):
+            raise ValueError("latency table: expected a non-empty 'latency' list of seconds, received "
+                             f"{type(lat).__name__ if not isinstance(lat, list) else lat[:4]}")
+        self.record = dict(record)
+        self.record.setdefault("t0", 0.0)
+        self.latency: List[float] = [float(x) for x in lat]
+
+    @classmethod
+    def of(cls, table) -> "LatencyTable":
+        """``table`` itself when it is a :class:`LatencyTable`, else the table of a record dict."""
+        return table if isinstance(table, cls) else cls(table)
+
+    @classmethod
+    def from_points(cls, points: Dict[int, float], **fields) -> "LatencyTable":
+        """A one-row table from sparse ``{n: seconds}`` measurements: made non-decreasing (:func:`isotonic`, noise
+        can invert neighbours), then linear in between (:func:`interpolate`); ``fields`` join the record."""
+        xs = sorted(points)
+        if not xs or xs[0] < 0:
+            raise ValueError(f"points: expected measurements at node counts >= 0, received {xs}")
+        ys = isotonic([float(points[x]) for x in xs])
+        return cls({"latency": interpolate(dict(zip(xs, ys)), xs[-1]), **fields})  # flat below the first point
+
+    @classmethod
+    def load(cls, path) -> "LatencyTable":
+        """Read a table JSON (``latency`` must be a non-empty list of finite seconds)."""
+        p = Path(path)
+        try:
+            return cls(json.loads(p.read_text(encoding="utf-8")))
+        except ValueError as exc:
+            raise ValueError(f"latency table {p}: {exc}") from None
+
+    def save(self, path: Optional[Path] = None) -> Path:
+        """Write the record as JSON (default: the cache path of its ``machine`` and ``model``), atomically."""
+        p = Path(path) if path else cache_path(self.record["machine"], self.record["model"])
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")  # two processes may save the same table at once
+        tmp.write_text(json.dumps(self.record, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, p)
+        return p
+
+    def to_dict(self) -> dict:
+        return dict(self.record)
+
+    @property
+    def t0(self) -> float:
+        return float(self.record.get("t0", 0.0))
+
+    @property
+    def measured_rows(self) -> List[int]:
+        """Row counts ``R > 1`` with a measured ``batch_latency`` table, ascending."""
+        return sorted(int(k) for k, v in (self.record.get("batch_latency") or {}).items() if v)
+
+    def _base(self, rows: int):
+        """``(seconds list, offset)``: the curve a ``rows``-row verify reads and where ``n = 0`` sits on it."""
+        measured = (self.record.get("batch_latency") or {}).get(str(rows)) if rows > 1 else None
+        if measured:
+            return [float(x) for x in measured], 0
+        return self.latency, rows - 1
+
+    @staticmethod
+    def _at(base: List[float], x: float) -> float:
+        """``base`` at ``x >= 0``: linear between points, the mean-slope rule past the end."""
+        last = len(base) - 1
+        if x > last:
+            slope = max((base[-1] - base[0]) / last, 0.0) if last > 0 else 0.0
+            return base[-1] + slope * (x - last)
+        lo = int(x)
+        w = x - lo
+        return base[lo] if w == 0 else base[lo] * (1 - w) + base[lo + 1] * w
+
+    def seconds(self, rows: int, nodes: float) -> float:
+        """Seconds of one verify of ``rows`` roots plus ``nodes`` tree nodes in total (class docstring)."""
+        if rows < 1:
+            raise ValueError(f"rows: expected >= 1, received {rows}")
+        base, offset = self._base(int(rows))
+        return self._at(base, max(float(nodes), 0.0) + offset)
+
+    def batch_seconds(self, rows: int, n_total: int) -> List[float]:
+        """``[n_total + 1]`` host floats: :meth:`seconds` at ``nodes = 0..n_total``."""
+        if rows < 1:
+            raise ValueError(f"rows: expected >= 1, received {rows}")
+        base, offset = self._base(int(rows))
+        return [self._at(base, n + offset) for n in range(int(n_total) + 1)]
+
+    def round_seconds(self, positions: Optional[int] = None) -> float:
+        """The fixed seconds of a drafted round: the draft pass (projecting ``positions`` block positions;
+        default all) plus the context update, from ``t0_parts`` (``t0`` when they are absent)."""
+        parts = self.record.get("t0_parts") or {}
+        by_positions = parts.get("draft_by_positions")
+        if positions is None or not by_positions:
+            return self.t0
+        i = min(max(int(positions), 1), len(by_positions)) - 1
+        return float(by_positions[i]) + float(parts.get("context", 0.0))
+
+    def plain_round_seconds(self, rows: int = 1) -> float:
+        """Seconds of a plain (root-only, undrafted) round of ``rows`` rows: their verify plus the drafter's
+        context update."""
+        return self.seconds(rows, 0) + float((self.record.get("t0_parts") or {}).get("context", 0.0))
 
 
-def save_table(table: dict, path: Optional[Path] = None) -> Path:
-    p = Path(path) if path else cache_path(table["machine"], table["model"])
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")  # two processes may save the same table at once
-    tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, p)
-    return p
+def round_seconds(latency, positions: Optional[int] = None) -> float:
+    """:meth:`LatencyTable.round_seconds` of a table (or its record dict)."""
+    return LatencyTable.of(latency).round_seconds(positions)
+
+
+def save_table(table, path: Optional[Path] = None) -> Path:
+    """:meth:`LatencyTable.save` of a table (or its record dict)."""
+    return LatencyTable.of(table).save(path)
 
 
 def load_table(path) -> dict:
-    """Read a table JSON; checks that ``latency`` is a non-empty list of finite seconds."""
-    p = Path(path)
-    t = json.loads(p.read_text(encoding="utf-8"))
-    lat = t.get("latency")
-    if not isinstance(lat, list) or not lat or not all(isinstance(x, (int, float)) and x == x for x in lat):
-        raise ValueError(f"latency table {p}: expected a non-empty 'latency' list of seconds")
-    t.setdefault("t0", 0.0)
-    return t
+    """The record dict of :meth:`LatencyTable.load` (``t0`` defaults to 0)."""
+    return LatencyTable.load(path).to_dict()
 
 
 def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool = False,

@@ -43,12 +43,10 @@ def _fmt(x, spec=".2f", none="-"):
 
 
 def _lat(table, n: float) -> float:
-    lat = table["latency"]
-    n = max(0.0, min(float(n), len(lat) - 1))
-    lo = int(n)
-    hi = min(lo + 1, len(lat) - 1)
-    w = n - lo
-    return lat[lo] * (1 - w) + lat[hi] * w
+    """One-row verify seconds at (fractional) ``n`` nodes: the table's one rule (:class:`LatencyTable`)."""
+    from taps.decode.latency import LatencyTable
+
+    return LatencyTable.of(table).seconds(1, n)
 
 
 def projected_tps(summary: dict, table: dict) -> Optional[float]:

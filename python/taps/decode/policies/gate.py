@@ -28,7 +28,7 @@ import torch
 import taps_kernels
 from taps_kernels import Tree
 
-from ..latency import round_seconds
+from ..latency import LatencyTable
 from ..tree_ops import depth_mask, keep_nodes, pad_tree, slice_tree
 from .base import BuiltTree, TreePolicy
 
@@ -79,10 +79,9 @@ class DraftGate:
             self.backoff = min(2 * self.backoff, self.max_skip)
 
 
-def plain_round_seconds(latency: dict, rows: int = 1) -> float:
-    """Seconds of a plain (root-only, undrafted) round of ``rows`` rows: their verify plus the drafter's
-    context update."""
-    return batch_seconds(latency, rows, 0)[0] + float(latency.get("t0_parts", {}).get("context", 0.0))
+def plain_round_seconds(latency, rows: int = 1) -> float:
+    """:meth:`taps.decode.latency.LatencyTable.plain_round_seconds` of a table (or its record dict)."""
+    return LatencyTable.of(latency).plain_round_seconds(rows)
 
 
 def throughput_size(log_reach: torch.Tensor, latency: torch.Tensor, plain_s: float):
@@ -102,32 +101,16 @@ def throughput_size(log_reach: torch.Tensor, latency: torch.Tensor, plain_s: flo
     return gain.argmax(1), top  # first maximum: the smaller tree on ties
 
 
-def batch_table(latency: dict, rows: int, n_total: int) -> torch.Tensor:
+def batch_table(latency, rows: int, n_total: int) -> torch.Tensor:
     """:func:`batch_seconds` as a ``[n_total + 1] float64`` tensor."""
     return torch.tensor(batch_seconds(latency, rows, n_total), dtype=torch.float64)
 
 
-def batch_seconds(latency: dict, rows: int, n_total: int) -> List[float]:
-    """``n_total + 1`` seconds (host floats) to verify ``rows`` roots plus ``n`` tree nodes in total.
-
-    From ``latency["batch_latency"][str(rows)]`` when ``taps calibrate --batch-sizes`` measured it (extended
-    linearly past its end); otherwise from the single-row table by total verified rows, ``latency[rows - 1 + n]``
-    (the CPU model: a verify's cost follows the rows it runs, whichever request they belong to), extended
-    linearly past its end. ``rows = 1`` is the single-row table itself.
-    """
-    measured = (latency.get("batch_latency") or {}).get(str(rows)) if rows > 1 else None
-    if measured:
-        base, offset = [float(x) for x in measured], 0
-    else:
-        base, offset = [float(x) for x in latency["latency"]], rows - 1
-    # The mean slope over the measured range, not the last step: a table often ends flat (two equal timings
-    # at its largest sizes), and a zero slope would price every node past the end as free.
-    slope = max((base[-1] - base[0]) / (len(base) - 1), 0.0) if len(base) > 1 else 0.0
-    out = []
-    for n in range(n_total + 1):
-        i = n + offset
-        out.append(base[i] if i < len(base) else base[-1] + slope * (i - len(base) + 1))
-    return out
+def batch_seconds(latency, rows: int, n_total: int) -> List[float]:
+    """``n_total + 1`` seconds (host floats) to verify ``rows`` roots plus ``n`` tree nodes in total: the
+    table's cost at (rows, n) (:meth:`taps.decode.latency.LatencyTable.batch_seconds`: a measured ``rows``-row
+    table, else the one-row table by total verified rows; past the end, the table's one extension rule)."""
+    return LatencyTable.of(latency).batch_seconds(rows, n_total)
 
 
 def joint_sizes(log_reach: torch.Tensor, table: torch.Tensor, plain_s: float, rows: int, max_nodes: int,
@@ -214,7 +197,7 @@ class GatedPolicy(TreePolicy):
     def __init__(self, gate: bool = True):
         self.use_gate = bool(gate)
         self.gate: Optional[DraftGate] = None
-        self._latency: Optional[dict] = None
+        self._latency: Optional[LatencyTable] = None
         self._tables = {}
         self._t0 = 0.0
         self._max_nodes = 0
@@ -228,9 +211,9 @@ class GatedPolicy(TreePolicy):
     def _bind_throughput(self, latency: dict, max_nodes: int, draft_positions: Optional[int] = None) -> None:
         """Keep the latency table, the fixed round time (a draft projecting ``draft_positions`` block positions,
         default all) and the node cap; make the gate."""
-        self._latency = latency
+        self._latency = LatencyTable.of(latency)
         self._tables = {}
-        self._t0 = round_seconds(latency, draft_positions)
+        self._t0 = self._latency.round_seconds(draft_positions)
         self._max_nodes = int(max_nodes)
         self.gate = DraftGate() if self.use_gate else None
 
@@ -244,11 +227,11 @@ class GatedPolicy(TreePolicy):
     def _host_table(self, rows: int) -> list:
         """The same table as Python floats: host-side arithmetic never reads a tensor."""
         if (rows, "host") not in self._tables:
-            self._tables[(rows, "host")] = batch_seconds(self._latency, rows, rows * self._max_nodes)
+            self._tables[(rows, "host")] = self._latency.batch_seconds(rows, rows * self._max_nodes)
         return self._tables[(rows, "host")]
 
     def _plain_s(self, rows: int = 1) -> float:
-        return self._host_table(rows)[0] + float(self._latency.get("t0_parts", {}).get("context", 0.0))
+        return self._latency.plain_round_seconds(rows)
 
     def _throughput_build(self, tree: Tree, log_reach: torch.Tensor, depth_cap: Optional[torch.Tensor],
                           levels: int, rows: Optional[int] = None) -> BuiltTree:
