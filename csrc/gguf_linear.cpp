@@ -192,6 +192,20 @@ TAPS_VNNI_TARGET inline void block_dots(const __m512i* w, const int8_t* a, int64
   }
 }
 
+// From a few rows on the block dots take longer than streaming a record, and the hardware prefetcher alone
+// left the loads exposed (105 MB of Q4_1 matrices, one thread, AMD Zen 4, best of 5: 8 rows 13.8 -> 10.8 ms,
+// 16 rows 26.0 -> 19.3 ms, 4 rows 6.7 -> 6.4 ms): ask for the record kPrefetchRecords ahead (past a group's end
+// that is the next group's first records, which follow in memory). Below 4 rows the loop is bound by
+// streaming, where the extra instructions only cost.
+constexpr int64_t kPrefetchRecords = 8;
+
+template <int MC>
+TAPS_VNNI_TARGET inline void prefetch_ahead(const uint8_t* rec, int64_t record_bytes) {
+  if (MC < 4) return;
+  const char* p = reinterpret_cast<const char*>(rec + kPrefetchRecords * record_bytes);
+  for (int64_t l = 0; l < record_bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+}
+
 // MC rows of x over one group of 16 output rows; rows past N are masked out of the store.
 template <int MC>
 TAPS_VNNI_TARGET void group_q4_1(const uint8_t* rec, int64_t KB, int64_t K, const int8_t* a, const float* scale,
@@ -200,6 +214,7 @@ TAPS_VNNI_TARGET void group_q4_1(const uint8_t* rec, int64_t KB, int64_t K, cons
   for (int c = 0; c < MC; ++c) acc[c] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ41Record) {
+    prefetch_ahead<MC>(rec, kQ41Record);
     __m512i w[8];
     for (int j = 0; j < 4; ++j) {
       const __m512i p = _mm512_loadu_si512(rec + 64 * j);
@@ -226,6 +241,7 @@ TAPS_VNNI_TARGET void group_q8_0(const uint8_t* rec, int64_t KB, int64_t K, cons
   __m512 acc[MC];
   for (int c = 0; c < MC; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ80Record) {
+    prefetch_ahead<MC>(rec, kQ80Record);
     __m512i w[8];
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(rec + 64 * t);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
