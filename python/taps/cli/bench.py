@@ -236,7 +236,7 @@ def format_table(summary: Dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def _llamacpp_peer(args, tok, items, summary: Dict[str, dict], log) -> List[dict]:
+def llamacpp_peer(args, tok, items, summary: Dict[str, dict], log) -> List[dict]:
     """llama.cpp's rows on the first turns of ``items`` (same GGUF, token count and threads), printed beside
     our decode-only tokens/s (:mod:`taps.cli.peer_llamacpp`)."""
     import torch
@@ -534,7 +534,7 @@ def run(args) -> int:
                 specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
                 block(run["dataset"], datasets[run["dataset"]][: args.t1_limit], specs1, t1_sampling, 0, False)
         if args.peer == "llamacpp":
-            out["peers"] = {ds: _llamacpp_peer(args, tok, items, run["policies"], log)
+            out["peers"] = {ds: llamacpp_peer(args, tok, items, run["policies"], log)
                             for (ds, items), run in zip(datasets.items(), first) if batch_sizes is None}
     finally:
         if sink is not sys.stdout:

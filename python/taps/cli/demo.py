@@ -20,6 +20,9 @@ def add_subcommand(sub) -> None:
     p.add_argument("--mtbench", type=int, default=2, help="MT-Bench prompts, first turn (default 2)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--policies", default=None, help="override the policy list (comma separated)")
+    p.add_argument("--peer", choices=("auto", "none"), default="auto",
+                   help="auto (default): llama.cpp's rows on the same GGUF and prompts where scripts/build_llamacpp.sh "
+                        "built it; none: skip them")
     add_model_flags(p)
     p.set_defaults(func=run)
 
@@ -37,6 +40,25 @@ def demo_policies():
             except (PolicyError, FileNotFoundError, ValueError) as e:
                 print(f"(skipping policy {name}: {e})", file=sys.stderr)
     return specs
+
+
+def _peer_rows(args, tok, items, summary) -> None:
+    """llama.cpp beside our rows (``taps bench --peer llamacpp``'s rows) where it is built for the GGUF target."""
+    from taps.models.target import SMOLLM2_NAMES
+
+    from . import peer_llamacpp
+    from .bench import llamacpp_peer
+
+    if args.peer == "none":
+        return
+    if args.target not in SMOLLM2_NAMES and not str(args.target).endswith(".gguf"):
+        print("\n(llama.cpp rows: only for a GGUF target)")
+        return
+    if peer_llamacpp.find_llamacpp() is None:
+        print("\n(llama.cpp is not built: `bash scripts/build_llamacpp.sh` adds its rows on the same GGUF)")
+        return
+    print()
+    llamacpp_peer(args, tok, items, summary, print)
 
 
 def run(args) -> int:
@@ -78,6 +100,7 @@ def run(args) -> int:
     summary = summarize(results)
     print()
     print(format_table(summary))
+    _peer_rows(args, tok, items, summary)
     first = results["ar"][0]
     print(f"\nsample ({first['id']}, AR):\n{first['turns'][0]['text'][:400]}")
     bad = [(s, r["id"]) for s, recs in results.items() for r in recs if not r["identical_to_ar"]]
