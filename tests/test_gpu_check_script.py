@@ -93,17 +93,17 @@ def test_decode_check_quick_cpu(tmp_path):
     from helpers import hf_greedy
 
     assert [hf_greedy(target, p, max_new) for p in prompts] == rec["runs"]["exact_b1"]["ar"]["tokens"]
-    # host reads: counted every round; the loop's packed read exactly once per round; any other read on CPU
+    # host reads: counted every round; the round readout's packed read exactly once per round; any other read on CPU
     # comes from the PyTorch reference ops (the GPU path has none)
     for spec in specs:
         r = rec["runs"]["exact_batched"][spec]
         reads = r["host_reads_per_round"]
         assert reads and all(n >= 1 for n in reads), spec
         sites = r["read_sites"]
-        loop = sum(n for k, n in sites.items() if k.startswith("tolist at taps/decode/loop.py"))
+        loop = sum(n for k, n in sites.items() if k.startswith("tolist at taps/decode/readout.py"))
         assert loop == len(reads), (spec, sites)
         assert sum(sites.values()) == sum(reads)
-        assert all(k.startswith("tolist at taps/decode/loop.py") or "taps_kernels/reference/" in k for k in sites), sites
+        assert all(k.startswith("tolist at taps/decode/readout.py") or "taps_kernels/reference/" in k for k in sites), sites
     assert all(row["lossless"] for row in rec["summary"]) and rec["ok"]
     assert rec["verify_latency"]["points"] and rec["projection"]["rows"]
     assert rec["one_line"].startswith(f"ok: {len(specs)}/{len(specs)} policies identical to ar")

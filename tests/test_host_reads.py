@@ -150,4 +150,4 @@ def test_one_host_read_per_round(counter, spec, inject):
     if inject:
         assert counter.count == 2 * rounds, counter.where  # the hook's read is caught every round
     else:
-        assert all("tolist" in w and "loop.py" in w for w in counter.where), counter.where
+        assert all("tolist" in w and "readout.py" in w for w in counter.where), counter.where

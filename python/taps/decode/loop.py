@@ -32,7 +32,6 @@ the caches).
 """
 from __future__ import annotations
 
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Union
@@ -44,6 +43,7 @@ from taps_kernels import Tree
 from . import kernels
 from .lookup import TokenHistory
 from .policies.base import BuiltTree, TreePolicy
+from .readout import HostReadout, RoundReadout
 from .sampling import SamplingConfig, choose_tokens, processed_probs
 from .stats import BUILD_STAGES, GenerationStats, RoundStats
 from .timing import RoundClock, StageTimer
@@ -114,14 +114,6 @@ class _Row:
     @property
     def remaining(self) -> int:
         return self.max_new - len(self.generated)
-
-
-def _pack_float(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float64).view(torch.int64)
-
-
-def _unpack_float(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
 class BatchDecoder:
@@ -406,6 +398,7 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def _round(self, B: int, rows: List[Optional[_Row]], width: int) -> Dict[int, RoundStats]:
+        """verify -> accept -> commit -> build the next trees -> THE host read -> host bookkeeping."""
         dev = self.device
         timer = StageTimer(dev, self.profile)
         clock = RoundClock(dev)
@@ -422,30 +415,8 @@ class BatchDecoder:
             self.round_hook(self)
         P = min(width - 1, self._max_depth) + 1
         with timer("accept"):
-            if width == 1:
-                path = torch.zeros(B, 1, dtype=torch.int64, device=dev)
-                accept_len = torch.ones(B, dtype=torch.int64, device=dev)
-                next_token = target_tokens[:, 0]
-            else:
-                path, accept_len, next_token = kernels.accept_greedy(tree, target_tokens, max_depth=P - 1)
-            accept_len = torch.where(active, accept_len, torch.zeros_like(accept_len))
-            path = torch.where(active[:, None] | (torch.arange(P, device=dev) == 0)[None, :], path,
-                               torch.full_like(path, -1))
-            # committed tokens, root excluded: the accepted path's tokens after the root, then next_token
-            path_tokens = tree.tokens.gather(1, path.clamp(min=0))
-            shifted = torch.cat([path_tokens[:, 1:], path_tokens.new_zeros(B, 1)], 1)
-            j = torch.arange(P, device=dev)[None, :]
-            committed = torch.where(j < (accept_len - 1)[:, None], shifted,
-                                    torch.where(j == (accept_len - 1)[:, None], next_token[:, None],
-                                                torch.full_like(shifted, -1)))
-            if self._history is not None:
-                self._history.append(committed, accept_len)
-        with timer("compaction"):
-            self.verifier.commit_batch(path, accept_len, moves=not chain)
-        if self.drafter is not None:
-            with timer("context"):
-                feats = self.verifier.gather_features(hidden_states, path)
-                self.drafter.append_context(self._state, feats, counts=accept_len)
+            path, accept_len, next_token, committed = self._accept(tree, target_tokens, active, P)
+        self._commit(hidden_states, path, accept_len, chain, timer)
         self._remaining[:B] -= accept_len
         bonus = torch.where(active, next_token, self._bonus[:B])
         # the next trees (host decides whether to draft: a row may still need >= 2 tokens after this round)
@@ -454,22 +425,54 @@ class BatchDecoder:
                    and self.policy.wants_draft())
         depth_cap = torch.where(active, (self._remaining[:B] - 1).clamp(min=0), torch.zeros_like(accept_len))
         built = self._build(bonus, drafted, depth_cap, running, timer)
-        nxt = built.tree
-        stats = [accept_len[:, None], nxt.num_nodes.to(torch.int64)[:, None],
-                 (nxt.tokens[:, 0] == bonus).to(torch.int64)[:, None]]
-        if built.expected is not None:
-            stats += [_pack_float(built.expected)[:, None], built.sizes.to(torch.int64)[:, None]]
-        if built.aux is not None:
-            stats.append(built.aux.to(torch.int64))
-        packed = torch.cat([committed] + stats, 1)
+        readout = RoundReadout(committed, accept_len, built.tree.num_nodes, built.tree.tokens[:, 0] == bonus,
+                               built.expected, built.sizes, built.aux)
         round_end = clock.stop()
-        host = packed.tolist()  # THE host read of the round
+        host = readout.read()  # THE host read of the round
         # --- host side: nothing above changed host state, so an exception there left everything restorable
         for b in range(B):
-            if rows[b] is not None and host[b][P + 2] != 1:
+            if rows[b] is not None and not host.root_ok[b]:
                 raise ValueError(f"policy {self.policy.name}: tree root of row {b} is not its bonus token")
-        times = timer.seconds()
-        round_s = RoundClock.seconds(round_end)
+        return self._apply(host, rows, built, bonus, drafted, timer.seconds(), RoundClock.seconds(round_end))
+
+    def _accept(self, tree: Tree, target_tokens: torch.Tensor, active: torch.Tensor, P: int):
+        """``(path [B, P], accept_len [B], next_token [B], committed [B, P])`` int64 of the verified trees; idle rows
+        accept nothing. ``committed``: the accepted path's tokens after the root, then ``next_token``, -1 after."""
+        B, width = tree.tokens.shape
+        dev = tree.device
+        if width == 1:
+            path = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+            accept_len = torch.ones(B, dtype=torch.int64, device=dev)
+            next_token = target_tokens[:, 0]
+        else:
+            path, accept_len, next_token = kernels.accept_greedy(tree, target_tokens, max_depth=P - 1)
+        accept_len = torch.where(active, accept_len, torch.zeros_like(accept_len))
+        path = torch.where(active[:, None] | (torch.arange(P, device=dev) == 0)[None, :], path, torch.full_like(path, -1))
+        path_tokens = tree.tokens.gather(1, path.clamp(min=0))
+        shifted = torch.cat([path_tokens[:, 1:], path_tokens.new_zeros(B, 1)], 1)
+        j = torch.arange(P, device=dev)[None, :]
+        committed = torch.where(j < (accept_len - 1)[:, None], shifted,
+                                torch.where(j == (accept_len - 1)[:, None], next_token[:, None],
+                                            torch.full_like(shifted, -1)))
+        if self._history is not None:
+            self._history.append(committed, accept_len)
+        return path, accept_len, next_token, committed
+
+    def _commit(self, hidden_states, path: torch.Tensor, accept_len: torch.Tensor, chain: bool,
+                timer: StageTimer) -> None:
+        """Keep the accepted rows in the target cache and feed their features to the drafter's context."""
+        with timer("compaction"):
+            self.verifier.commit_batch(path, accept_len, moves=not chain)
+        if self.drafter is not None:
+            with timer("context"):
+                feats = self.verifier.gather_features(hidden_states, path)
+                self.drafter.append_context(self._state, feats, counts=accept_len)
+
+    def _apply(self, host: HostReadout, rows: List[Optional[_Row]], built: BuiltTree, bonus: torch.Tensor,
+               drafted: bool, times: Dict[str, float], round_s: float) -> Dict[int, RoundStats]:
+        """The round's host bookkeeping from its one read: tokens, lengths, stats, pending trees, the policy's
+        observations, finished rows."""
+        B = len(rows)
         build_times = {k: v for k, v in times.items() if k in BUILD_STAGES}
         verify_times = {k: v for k, v in times.items() if k not in build_times}
         out: Dict[int, RoundStats] = {}
@@ -477,28 +480,29 @@ class BatchDecoder:
         for b, row in enumerate(rows):
             if row is None:
                 continue
-            acc = host[b][P]
-            kept = row.extend(host[b][:acc])
+            acc = host.accept_len[b]
+            kept = row.extend(host.tokens(b))
             new_lengths[b] += acc
             r = RoundStats(accept_len=acc, nodes=row.next_nodes, committed=kept,
                            times={**row.next_times, **verify_times}, drafted=row.next_drafted, round_s=round_s)
             row.stats.rounds.append(r)
             out[row.rid] = r
-            row.next_nodes, row.next_drafted, row.next_times = host[b][P + 1], drafted, dict(build_times)
+            row.next_nodes, row.next_drafted, row.next_times = host.next_nodes[b], drafted, dict(build_times)
         for b in range(B):
-            self._pending_nodes[b] = host[b][P + 1]
+            self._pending_nodes[b] = host.next_nodes[b]
         self.verifier.set_host_lengths(new_lengths)
         if self._state is not None:
             self._state.set_host_lengths(new_lengths)
         self._bonus[:B] = bonus
+        nxt = built.tree
         self._pending = pad_tree(nxt, nxt.tokens.shape[1]) if B == self.max_batch else self._merge_pending(nxt, B)
-        if built.aux is not None:
-            aux_at = P + 3 + (2 if built.expected is not None else 0)
-            live = [b for b in range(B) if rows[b] is not None]
-            self.policy.observe_rows({b: host[b][:host[b][P] - 1] for b in live}, {b: host[b][aux_at:] for b in live})
+        live = [b for b in range(B) if rows[b] is not None]
+        if host.aux is not None:
+            self.policy.observe_rows({b: host.committed[b][:host.accept_len[b] - 1] for b in live},
+                                     {b: host.aux[b] for b in live})
         if drafted:
-            exp = [_unpack_float(host[b][P + 3]) for b in range(B) if rows[b] is not None] if built.expected is not None else None
-            siz = [host[b][P + 4] for b in range(B) if rows[b] is not None] if built.sizes is not None else None
+            exp = [host.expected[b] for b in live] if host.expected is not None else None
+            siz = [host.sizes[b] for b in live] if host.sizes is not None else None
             self._observe(built, exp, siz, build_times)
         for b, row in enumerate(rows):
             if row is not None and row.stop_reason is not None:
