@@ -30,7 +30,7 @@ class Tok:
 def setup(monkeypatch, tmp_path):
     target, drafter = tiny_target(seed=5, vocab=V), tiny_drafter(seed=5, vocab=V)
     monkeypatch.setattr(taps.models.target, "load_target", lambda name: (target, Tok()))
-    monkeypatch.setattr(taps.models.drafter, "load_drafter", lambda path, dtype, target_config: drafter)
+    monkeypatch.setattr(taps.models.drafter, "load_drafter", lambda path, target_config: drafter)
     monkeypatch.setattr(taps.models.drafter, "fast_head_dtype", lambda device: None)
     monkeypatch.setattr(taps.cli.common, "stop_token_ids", lambda tok, model: [])
     drafter_dir = tmp_path / "drafter"

@@ -151,25 +151,22 @@ def drafter_dir_cli(args) -> Path:
 def load_drafter_cli(args, target_model):
     """The drafter on the target's device and dtype, checked against the target's config."""
     p = drafter_dir_cli(args)
-    from taps.models import drafter as drafter_mod
+    from taps.models.drafter import DFlashConfig, check_compatible, load_decoding_drafter
 
     try:
-        drafter = drafter_mod.load_drafter(str(p))
-    except (FileNotFoundError, ValueError, KeyError, OSError) as e:
+        check_compatible(DFlashConfig.from_pretrained(p), target_model.config)
+    except ValueError as e:
+        raise CLIError(f"--drafter {p} does not fit --target {args.target}: {_first_line(e)}") from None
+    except (FileNotFoundError, KeyError, OSError) as e:
         raise CLIError(f"--drafter {p}: {_first_line(e)}") from None
-    check = getattr(drafter_mod, "check_compatible", None)
-    if check is not None:
-        try:
-            check(drafter.config, target_model.config)
-        except ValueError as e:
-            raise CLIError(f"--drafter {p} does not fit --target {args.target}: {_first_line(e)}") from None
-    emb = target_model.get_input_embeddings().weight
+    body = getattr(args, "draft_dtype", "auto")
     try:
-        return drafter_mod.prepare_drafter(drafter, emb.device, body=getattr(args, "draft_dtype", "auto"),
-                                           head=getattr(args, "draft_head_dtype", "auto"),
-                                           short_blocks=bool(getattr(args, "short_blocks", False)))
+        return load_decoding_drafter(p, target_model, body=body, head=getattr(args, "draft_head_dtype", "auto"),
+                                     short_blocks=bool(getattr(args, "short_blocks", False)))
+    except (FileNotFoundError, KeyError, OSError) as e:
+        raise CLIError(f"--drafter {p}: {_first_line(e)}") from None
     except (ValueError, RuntimeError) as e:
-        raise CLIError(f"--draft-dtype {getattr(args, 'draft_dtype', 'auto')}: {_first_line(e)}") from None
+        raise CLIError(f"--draft-dtype {body}: {_first_line(e)}") from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -252,7 +252,7 @@ def add_subcommands(sub) -> None:
     p.add_argument("--exclude-prompts", default=None, help="JSONL of prompts (with 'id') to skip, e.g. the drafter's")
     p.add_argument("--chat-fraction", type=float, default=0.0,
                    help="share of chat prompts written by the target itself (Magpie), e.g. 0.5")
-    p.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--draft-dtype", choices=("auto", "blocks", "float32", "bfloat16"), default="auto",
                    help="drafter layers' dtype; auto drafts as the decoders do on this machine")
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--threads", type=positive_int, default=None)

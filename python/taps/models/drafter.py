@@ -484,6 +484,17 @@ def prepare_drafter(drafter: "DFlashDrafter", device, body: str = "auto", head: 
     return drafter
 
 
+def load_decoding_drafter(path, target, body: str = "auto", head: str = "auto",
+                          short_blocks: bool = False) -> "DFlashDrafter":
+    """The one way to load a drafter for decoding with ``target``: :func:`load_drafter` checked against the
+    target's config, then :func:`prepare_drafter` on the device of the target's embedding (``body`` ``auto``
+    there, or a dtype name; see :func:`prepare_drafter`). Used by the CLI, the transformers entry, scorer
+    traces and the benchmarks."""
+    drafter = load_drafter(str(path), target_config=target.config)
+    emb = target.get_input_embeddings().weight
+    return prepare_drafter(drafter, emb.device, body=body, head=head, short_blocks=short_blocks)
+
+
 class DFlashDrafter(nn.Module):
     #: dtype of the vocabulary projection in :meth:`draft` (``None``: the LM head's own dtype; ``torch.int8``:
     #: int8 weights and activations, see :func:`fast_head_dtype`). Training and :meth:`forward_blocks` never use it.

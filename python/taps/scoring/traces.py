@@ -202,8 +202,9 @@ class TraceConfig:
     processes can fill one directory side by side. ``max_minutes``: stop after the shard in progress once
     this much time has passed. ``exclude_prompts``: JSONL of prompts to skip (the drafter's own).
     ``chat_fraction``: share of Magpie chat prompts (:func:`chat_trace_prompts`) among the code prompts.
-    ``draft_dtype``: the drafter layers' dtype; ``"auto"`` drafts as the CLI decoders do on this machine
-    (bf16 layers on native-bf16 CPUs), so the scorer is trained on the hidden states it will read.
+    ``draft_dtype``: the drafter's body (:func:`taps.models.drafter.prepare_drafter`); ``"auto"`` drafts as the
+    CLI decoders do on this machine (the block forward on AVX-512 VNNI CPUs), so the scorer is trained on the
+    hidden states it will read.
     """
 
     target: str = "smollm2"
@@ -232,8 +233,8 @@ class TraceConfig:
                 raise ValueError(f"TraceConfig.{name}: expected an integer >= 1, received {v!r}")
         if not 0.0 <= self.chat_fraction <= 1.0:
             raise ValueError(f"TraceConfig.chat_fraction: expected a number in [0, 1], received {self.chat_fraction!r}")
-        if self.draft_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"TraceConfig.draft_dtype: expected 'auto', 'float32' or 'bfloat16', "
+        if self.draft_dtype not in ("auto", "blocks", "float32", "bfloat16"):
+            raise ValueError(f"TraceConfig.draft_dtype: expected 'auto', 'blocks', 'float32' or 'bfloat16', "
                              f"received {self.draft_dtype!r}")
         if not 0 <= self.worker < self.workers:
             raise ValueError(f"TraceConfig.worker: expected 0 <= worker < workers ({self.workers}), "
@@ -269,7 +270,7 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
 
     from taps.cli.common import stop_token_ids
     from taps.data import chat_prompt_ids
-    from taps.models.drafter import fast_body_dtype, fast_head_dtype, load_drafter
+    from taps.models.drafter import load_decoding_drafter
     from taps.models.target import load_target
     from taps.paths import portable_path
 
@@ -278,18 +279,17 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_target(target)
-    dev = next(model.parameters()).device
-    body = (fast_body_dtype(dev) or torch.float32) if c.draft_dtype == "auto" else getattr(torch, c.draft_dtype)
-    drafter = load_drafter(drafter_dir, dtype=body, target_config=model.config).eval()
-    drafter.head_dtype = fast_head_dtype(dev)  # as the CLI decoders draft (taps.cli.common.load_drafter_cli)
+    drafter = load_decoding_drafter(drafter_dir, model, body=c.draft_dtype)  # as the CLI decoders draft
+    blocks = drafter.block_draft is not None
+    body = "blocks" if blocks else str(next(drafter.parameters()).dtype).replace("torch.", "")
     ident = drafter_identity(drafter_dir)
     meta = {"target": target, "drafter": ident, "pool_size": pool_size, "top_k": top_k, "lattice_k": lattice_k,
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
             "num_prompts": num_prompts, "prompts_per_shard": prompts_per_shard, "decoding": "greedy",
             "num_draft_positions": drafter.config.block_size - 1, "drafter_hidden": drafter.config.hidden_size,
             "exclude_prompts": portable_path(exclude_prompts) if exclude_prompts else None,
-            "chat_fraction": c.chat_fraction, "draft_dtype": str(body).replace("torch.", ""),
-            "draft_head_dtype": str(drafter.head_dtype or "lm_head").replace("torch.", "")}
+            "chat_fraction": c.chat_fraction, "draft_dtype": body,
+            "draft_head_dtype": "blocks" if blocks else str(drafter.head_dtype or "lm_head").replace("torch.", "")}
     meta_p = out / "meta.json"
     if meta_p.exists():
         old = json.loads(meta_p.read_text())

@@ -41,18 +41,17 @@ def _eos_ids(value) -> List[int]:
 def _load_drafter(drafter, model):
     """A DFlashDrafter on the target's device and dtype, from an instance, a directory or the shipped one."""
     from taps import paths
-    from taps.models.drafter import DFlashDrafter, check_compatible, fast_head_dtype, load_drafter
+    from taps.models.drafter import DFlashDrafter, check_compatible, load_decoding_drafter
 
     if drafter is None:
         drafter = paths.checkpoint_dir(paths.DRAFTER)
-    if not isinstance(drafter, DFlashDrafter):
-        drafter = load_drafter(str(paths.resolve_checkpoint(drafter)), target_config=model.config)
-        emb = model.get_input_embeddings().weight
-        drafter = drafter.to(device=emb.device, dtype=emb.dtype).eval()
-        drafter.head_dtype = fast_head_dtype(emb.device)
-    else:
+    if isinstance(drafter, DFlashDrafter):  # the caller's own instance, used as it is
         check_compatible(drafter.config, model.config)
-    return drafter
+        return drafter
+    emb = model.get_input_embeddings().weight
+    # on CPUs the fastest draft path (the block forward where it runs); elsewhere the target's dtype
+    body = "auto" if emb.device.type == "cpu" else str(emb.dtype).replace("torch.", "")
+    return load_decoding_drafter(paths.resolve_checkpoint(drafter), model, body=body)
 
 
 def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, streamer=None, drafter=None,
