@@ -366,17 +366,30 @@ def _specs(args) -> List[str]:
     return parse_policies(",".join(dict.fromkeys(specs)))
 
 
-def run(args) -> int:
-    import torch
+def _log(s: str) -> None:
+    print(s, file=sys.stderr, flush=True)
 
+
+def _log_hf_rows(summ: Dict[str, dict], hf: bool, pld: Optional[int]) -> None:
+    """HF generate's and HF prompt lookup's rows against our AR, when they ran."""
+    if hf and "hf" in summ and summ["hf"].get("speedup"):
+        hfs, ar = summ["hf"], summ["ar"]
+        _log(f"HF generate: {hfs['tokens_per_s_median']:.2f} tok/s median vs our AR {ar['tokens_per_s_median']:.2f} "
+             f"(our AR speed / HF speed, time per token: {1 / hfs['speedup']:.3f})")
+    name = hf_pld_name(pld) if pld is not None else None
+    if name in summ and summ[name].get("speedup") and "ar" in summ:
+        s, ar = summ[name], summ["ar"]
+        _log(f"HF prompt lookup ({name}): {s['tokens_per_s_median']:.2f} tok/s median vs our AR "
+             f"{ar['tokens_per_s_median']:.2f} (speedup over our AR, time per token: {s['speedup']:.3f}x)")
+
+
+def run(args) -> int:
     from taps.decode import SamplingConfig
-    from taps.paths import portable_path
 
     quiet_warnings()
-    log = (lambda s: print(s, file=sys.stderr, flush=True))
     if args.deprecated_alias:
-        log(f"taps {args.deprecated_alias}: deprecated, use `taps bench` (same flags; this alias keeps the "
-            "full-suite defaults for one release)")
+        _log(f"taps {args.deprecated_alias}: deprecated, use `taps bench` (same flags; this alias keeps the "
+             "full-suite defaults for one release)")
     specs = _specs(args)
     batch_sizes = parse_batch_sizes(args.batch_size, args.batch_sizes)
     t1 = [s.strip() for s in args.t1_policies.split(",") if s.strip()]
@@ -389,109 +402,157 @@ def run(args) -> int:
     if need_drafter:
         drafter_dir_cli(args)
     model, tok = load_target_cli(args)
-    from taps.decode.latency import cpu_name
     from taps.models.target import target_format_of
 
     if target_format_of(model) == "gguf" and (args.hf_baseline or args.hf_prompt_lookup is not None):
         raise CLIError("--hf-baseline / --hf-prompt-lookup run transformers' generate, which needs the fp32 "
                        "target: add --target-format fp32")
     drafter = load_drafter_cli(args, model) if need_drafter else None
-    from taps.decode.policies.taps import scorer_dir
-    from taps.scoring.traces import drafter_identity
+    bench = _Bench(args, model, tok, drafter, specs, sampling, batch_sizes, datasets, t1)
+    if batch_sizes is not None and 1 not in batch_sizes and (args.hf_baseline or args.hf_prompt_lookup):
+        _log("--hf-baseline / --hf-prompt-lookup: single-request baselines, run only when --batch-sizes includes 1")
+    t_start = time.time()
+    try:
+        if batch_sizes is None:
+            first = [bench.block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy,
+                                 pld=args.hf_prompt_lookup if sampling.greedy else None)
+                     for ds, items in datasets.items()]
+        else:
+            first = [r for ds, items in datasets.items() for r in bench.batch_block(ds, items)]
+        if t1:
+            t1_sampling = SamplingConfig(temperature=1.0)
+            for run_rec in first:
+                chosen = [run_rec["best_ddtree"] if s == "ddtree-best" else s for s in t1]
+                specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
+                bench.block(run_rec["dataset"], datasets[run_rec["dataset"]][: args.t1_limit], specs1, t1_sampling, 0,
+                            False)
+        if args.peer == "llamacpp":
+            bench.out["peers"] = {ds: llamacpp_peer(args, tok, items, run_rec["policies"], _log)
+                                  for (ds, items), run_rec in zip(datasets.items(), first) if batch_sizes is None}
+    finally:
+        bench.close()
+    out = bench.out
+    out["config"]["wall_s"] = round(time.time() - t_start, 1)
+    if args.out:
+        _save(out, args.out)
+        _log(f"wrote {args.out}")
+    _log(f"{sum(len(v) for v in datasets.values())} prompts, {args.max_new_tokens} max new tokens, "
+         f"wall {out['config']['wall_s']} s")
+    return 0
 
-    from .common import _resolve_drafter_dir
 
-    out = {"config": {"command": _cmdline(args), "target": args.target,
-                      "drafter": drafter_identity(_resolve_drafter_dir(args.drafter)) if drafter is not None else None,
-                      "datasets": list(datasets), "limit_per_dataset": args.limit, "mtbench_turns": args.turns,
-                      "max_new_tokens": args.max_new_tokens, "policies": specs, "temperature": sampling.temperature,
-                      "top_p": args.top_p, "top_k": args.top_k, "t1_policies": t1, "t1_limit": args.t1_limit,
-                      "device": args.device, "dtype": args.dtype,
-                      "target_format": target_format_of(model), "cpu": cpu_name(), "threads": torch.get_num_threads(),
-                      "seed": args.seed, "scorer": portable_path(scorer_dir()),
-                      "order": "AR first, then the other policies rotated by one per prompt",
-                      "batch_sizes": batch_sizes, "hf_baseline": args.hf_baseline,
-                      "hf_prompt_lookup": args.hf_prompt_lookup,
-                      "latency_table": portable_path(os.environ["TAPS_LATENCY"]) if os.environ.get("TAPS_LATENCY")
-                      else "$TAPS_CACHE/latency (per machine and model)",
-                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "note": (f"first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
-                               f"{args.max_new_tokens} new tokens per turn")},
-           "runs": []}
-    if batch_sizes is not None:
-        out["batch"] = []
-        out["config"]["batch_order"] = "per batch size: AR first, then the other policies rotated by one per size"
-    sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else sys.stdout
+class _Bench:
+    """One ``taps bench`` invocation: its summary record (``out``, saved after every prompt), the JSON-lines
+    sink, and the two ways to run a dataset (batch 1 with every policy interleaved; a batch-size sweep)."""
 
-    def emit(rec):
-        sink.write(json.dumps({k: v for k, v in rec.items() if k != "accept_lens"}) + "\n")
-        sink.flush()
+    def __init__(self, args, model, tok, drafter, specs, sampling, batch_sizes, datasets, t1):
+        self.args, self.model, self.tok, self.drafter = args, model, tok, drafter
+        self.specs, self.sampling, self.batch_sizes = specs, sampling, batch_sizes
+        self.out = {"config": self._config(datasets, t1), "runs": []}
+        if batch_sizes is not None:
+            self.out["batch"] = []
+            self.out["config"]["batch_order"] = "per batch size: AR first, then the other policies rotated by one per size"
+        self.sink = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else sys.stdout
 
-    def block(ds, items, run_specs, run_sampling, warmup, hf, records=None, pld=None):
+    def _config(self, datasets, t1) -> dict:
+        import torch
+
+        from taps.decode.latency import cpu_name
+        from taps.decode.policies.taps import scorer_dir
+        from taps.models.target import target_format_of
+        from taps.paths import portable_path
+        from taps.scoring.traces import drafter_identity
+
+        from .common import _resolve_drafter_dir
+
+        args = self.args
+        drafter = drafter_identity(_resolve_drafter_dir(args.drafter)) if self.drafter is not None else None
+        return {"command": _cmdline(args), "target": args.target, "drafter": drafter,
+                "datasets": list(datasets), "limit_per_dataset": args.limit, "mtbench_turns": args.turns,
+                "max_new_tokens": args.max_new_tokens, "policies": self.specs, "temperature": self.sampling.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "t1_policies": t1, "t1_limit": args.t1_limit,
+                "device": args.device, "dtype": args.dtype,
+                "target_format": target_format_of(self.model), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+                "seed": args.seed, "scorer": portable_path(scorer_dir()),
+                "order": "AR first, then the other policies rotated by one per prompt",
+                "batch_sizes": self.batch_sizes, "hf_baseline": args.hf_baseline,
+                "hf_prompt_lookup": args.hf_prompt_lookup,
+                "latency_table": portable_path(os.environ["TAPS_LATENCY"]) if os.environ.get("TAPS_LATENCY")
+                else "$TAPS_CACHE/latency (per machine and model)",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "note": (f"first {args.limit} prompts per dataset (HumanEval has 164, MT-Bench 80), "
+                         f"{args.max_new_tokens} new tokens per turn")}
+
+    def close(self) -> None:
+        if self.sink is not sys.stdout:
+            self.sink.close()
+
+    def _save(self) -> None:
+        if self.args.out:
+            _save(self.out, self.args.out)
+
+    def emit(self, rec) -> None:
+        self.sink.write(json.dumps({k: v for k, v in rec.items() if k != "accept_lens"}) + "\n")
+        self.sink.flush()
+
+    def block(self, ds, items, run_specs, run_sampling, warmup, hf, records=None, pld=None):
+        """Batch 1 on one dataset: every prompt through every policy (AR first), the summary saved as it grows."""
+        args = self.args
         hf_names = list(hf_rows(hf, pld))
-        log(f"== {ds}: {len(items)} prompts, temperature {run_sampling.temperature:g}, policies "
-            f"{', '.join(run_specs + hf_names)}")
+        _log(f"== {ds}: {len(items)} prompts, temperature {run_sampling.temperature:g}, policies "
+             f"{', '.join(run_specs + hf_names)}")
         bar = Progress(len(items) * (len(run_specs) + len(hf_names)), f"{ds} B=1", "gen", enabled=not args.quiet)
 
         def on_record(rec):
-            if batch_sizes is not None:
+            if self.batch_sizes is not None:
                 rec["batch_size"] = 1
-            emit(rec)
+            self.emit(rec)
             if records is not None:
                 records.append(rec)
             bar.update()
         run = {"dataset": ds, "temperature": run_sampling.temperature, "prompts": 0, "policies": {},
                "best_ddtree": None, "partial": True}
-        out["runs"].append(run)
+        self.out["runs"].append(run)
 
         def partial(summ, done):
             run.update(prompts=done, policies=summ, best_ddtree=_best_ddtree(summ))
-            if args.out:
-                _save(out, args.out)
+            self._save()
 
         try:
-            summ = _run_block(model, tok, drafter, run_specs, items, run_sampling, args.max_new_tokens, args.seed,
-                              warmup, bar.write, on_partial=partial, hf_baseline=hf, on_record=on_record,
+            summ = _run_block(self.model, self.tok, self.drafter, run_specs, items, run_sampling, args.max_new_tokens,
+                              args.seed, warmup, bar.write, on_partial=partial, hf_baseline=hf, on_record=on_record,
                               args=args, hf_prompt_lookup=pld)
         finally:
             bar.close()
         run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)
-        if args.out:
-            _save(out, args.out)
-        log(format_table(summ))
-        if hf and "hf" in summ and summ["hf"].get("speedup"):
-            hfs, ar = summ["hf"], summ["ar"]
-            log(f"HF generate: {hfs['tokens_per_s_median']:.2f} tok/s median vs our AR {ar['tokens_per_s_median']:.2f} "
-                f"(our AR speed / HF speed, time per token: {1 / hfs['speedup']:.3f})")
-        name = hf_pld_name(pld) if pld is not None else None
-        if name in summ and summ[name].get("speedup") and "ar" in summ:
-            s, ar = summ[name], summ["ar"]
-            log(f"HF prompt lookup ({name}): {s['tokens_per_s_median']:.2f} tok/s median vs our AR "
-                f"{ar['tokens_per_s_median']:.2f} (speedup over our AR, time per token: {s['speedup']:.3f}x)")
+        self._save()
+        _log(format_table(summ))
+        _log_hf_rows(summ, hf, pld)
         return run
 
-    def batch_block(ds, items):
+    def batch_block(self, ds, items):
         """Every batch size of ``batch_sizes`` on one dataset (B = 1: the single-request protocol)."""
+        args, specs, sampling, batch_sizes = self.args, self.specs, self.sampling, self.batch_sizes
         sweep = {"dataset": ds, "temperature": sampling.temperature, "prompts": len(items), "batch_sizes": batch_sizes,
                  "policies": specs, "rows": [], "partial": True}
-        out["batch"].append(sweep)
+        self.out["batch"].append(sweep)
         reference = None  # {item id: AR tokens per turn}, from B = 1 when it runs
         runs = []
         if 1 in batch_sizes:
             records = []
             # the HF rows are single-request baselines: B = 1 only, and not rows of the batch table
-            runs.append(block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy, records,
-                              pld=args.hf_prompt_lookup if sampling.greedy else None))
+            runs.append(self.block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy,
+                                   records, pld=args.hf_prompt_lookup if sampling.greedy else None))
             reference = {r["id"]: [t["token_ids"] for t in r["turns"]] for r in records if r["policy"] == "ar"}
             sweep["rows"] += [row_from_single(s, [r for r in records if r["policy"] == s]) for s in specs]
         for j, B in enumerate(b for b in batch_sizes if b > 1):
             ref = reference  # without B = 1, each batch size compares with its own AR (which runs first)
             for spec in rotated(specs, j):
-                dec = make_batch_decoder(model, tok, drafter, spec, B, sampling, args)
+                dec = make_batch_decoder(self.model, self.tok, self.drafter, spec, B, sampling, args)
                 bar = Progress(sum(len(it.turns) for it in items) * args.max_new_tokens,
                                f"{ds} B={B} {spec}", "tok", enabled=not args.quiet)
                 try:
-                    recs = run_batch(dec, tok, items, args.max_new_tokens, args.seed, args.warmup, bar)
+                    recs = run_batch(dec, self.tok, items, args.max_new_tokens, args.seed, args.warmup, bar)
                 finally:
                     bar.close()
                 if spec == "ar" and ref is None:
@@ -499,50 +560,18 @@ def run(args) -> int:
                 mark_identical(recs, ref, sampling.greedy)
                 for rec in recs:
                     rec["policy"] = spec
-                    emit(rec)
+                    self.emit(rec)
                 row = batch_row(spec, B, recs, recs[0]["batch_wall_s"] if recs else 0.0)
                 row["latency_table"] = latency_note(dec.policy)
                 sweep["rows"].append(row)
                 add_speedups(sweep["rows"])
-                log(f"  {ds} B={B:<3} {spec:<14} {row['total_tokens_per_s']:8.2f} tok/s total, "
-                    f"{row['per_request_tokens_per_s_median']:7.2f} per request, wall {row['wall_s']:.1f} s")
-                if args.out:
-                    _save(out, args.out)
+                _log(f"  {ds} B={B:<3} {spec:<14} {row['total_tokens_per_s']:8.2f} tok/s total, "
+                     f"{row['per_request_tokens_per_s_median']:7.2f} per request, wall {row['wall_s']:.1f} s")
+                self._save()
         sweep["rows"].sort(key=lambda r: (r["batch_size"], specs.index(r["policy"])))
         add_speedups(sweep["rows"])
         sweep["partial"] = False
-        if args.out:
-            _save(out, args.out)
-        log(f"== {ds}: batch sweep, total tok/s = all output tokens / batch wall time")
-        log(format_batch_table(sweep["rows"]))
+        self._save()
+        _log(f"== {ds}: batch sweep, total tok/s = all output tokens / batch wall time")
+        _log(format_batch_table(sweep["rows"]))
         return runs
-
-    if batch_sizes is not None and 1 not in batch_sizes and (args.hf_baseline or args.hf_prompt_lookup):
-        log("--hf-baseline / --hf-prompt-lookup: single-request baselines, run only when --batch-sizes includes 1")
-    t_start = time.time()
-    try:
-        if batch_sizes is None:
-            first = [block(ds, items, specs, sampling, args.warmup, args.hf_baseline and sampling.greedy,
-                           pld=args.hf_prompt_lookup if sampling.greedy else None)
-                     for ds, items in datasets.items()]
-        else:
-            first = [r for ds, items in datasets.items() for r in batch_block(ds, items)]
-        if t1:
-            t1_sampling = SamplingConfig(temperature=1.0)
-            for run in first:
-                chosen = [run["best_ddtree"] if s == "ddtree-best" else s for s in t1]
-                specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
-                block(run["dataset"], datasets[run["dataset"]][: args.t1_limit], specs1, t1_sampling, 0, False)
-        if args.peer == "llamacpp":
-            out["peers"] = {ds: llamacpp_peer(args, tok, items, run["policies"], log)
-                            for (ds, items), run in zip(datasets.items(), first) if batch_sizes is None}
-    finally:
-        if sink is not sys.stdout:
-            sink.close()
-    out["config"]["wall_s"] = round(time.time() - t_start, 1)
-    if args.out:
-        _save(out, args.out)
-        log(f"wrote {args.out}")
-    log(f"{sum(len(v) for v in datasets.values())} prompts, {args.max_new_tokens} max new tokens, "
-        f"wall {out['config']['wall_s']} s")
-    return 0
