@@ -33,7 +33,7 @@ FILES = {
         "def foo_op(x):\n    return x\n"  # door 2 (custom op)
         "def foo(x):\n    return foo_op(x)\n"  # door 3 (named foo)
         "def caller(x):\n    return foo(x)\n"  # reaches foo through a door: not one
-        "class C:\n    def bar(self):\n        return 0\n"),  # a method of the same name: not a door
+        "class Holder:\n    def bar(self):\n        return 0\n"),  # a method of the same name: not a door
     "taps_kernels/reference/foo.py": "def foo(x):\n    return x\n",  # the spec: not a door
     "taps_kernels/cpp_impls.py": "def foo(x):\n    return resolve('foo', 'cpp', x)\n",  # registers only
     "taps_kernels/triton/k.py": (
@@ -54,10 +54,10 @@ FILES = {
     "python/taps/long.py": (
         "def exactly_100():\n" + _body(100)
         + "def over_100():\n" + _body(101)
-        + "class A:\n    def method(self):\n" + "".join("    " + ln + "\n" for ln in _body(102).splitlines())
+        + "class Outer:\n    def method(self):\n" + "".join("    " + ln + "\n" for ln in _body(102).splitlines())
         + "def twelve(" + ", ".join(f"a{i}" for i in range(12)) + "):\n    return 0\n"
         + "def thirteen(a, b, *args, c, d, e, f, g, h, i, j, k, **kw):\n    return 0\n"
-        + "class B:\n    def m(self, " + ", ".join(f"a{i}" for i in range(12)) + "):\n        return 0\n"),
+        + "class Wide:\n    def m(self, " + ", ".join(f"a{i}" for i in range(12)) + "):\n        return 0\n"),
     "python/taps/decode/policies/p.py": (
         "def tree_size(log_reach, latency, plain_s):\n    return 0\n"  # a size rule, named below
         "def pool_size(n):\n    return n\n"  # no latency table: not a size rule
@@ -83,10 +83,10 @@ def test_counts_follow_the_rules(tmp_path):
     c = cc.count(make_tree(tmp_path))
     off = c["offenders"]
     assert off["long_functions"] == ["python/taps/long.py:101 over_100 (101 lines)",
-                                     "python/taps/long.py:203 A.method (102 lines)",
+                                     "python/taps/long.py:203 Outer.method (102 lines)",
                                      "bench/b.py:1 main (130 lines)"]
     assert c["long_functions"] == 3
-    assert [x.split(" ")[1] for x in off["many_parameters"]] == ["thirteen", "B.m"]
+    assert [x.split(" ")[1] for x in off["many_parameters"]] == ["thirteen", "Wide.m"]
     assert c["many_parameters"] == 2
     assert off["cache_root_definitions"] == ["python/taps/paths.py:2 cache_root (def)",
                                              "python/taps/paths.py:5 elsewhere (reads TAPS_CACHE)",

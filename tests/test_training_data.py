@@ -125,6 +125,8 @@ def test_configs_reject_unknown_and_bad_options(tmp_path):
         BuildDataConfig(out="o", chat_fraction=1.5)
     with pytest.raises(ValueError, match="part"):
         BuildDataConfig(out="o", part=2, num_parts=2)
+    with pytest.raises(ValueError, match="target_format"):
+        BuildDataConfig(out="o", target_format="q4")
 
 
 def test_keep_layers_renumbers_the_kept_layers():
@@ -287,3 +289,154 @@ def test_eval_drafter_heads_and_vocabulary(tmp_path):
         r = run(**kw)
         assert r["head_dtype"] == "int8" and r["blocks"] == base["blocks"] and r["tau"] >= 1.0
     assert drafter.head_dtype == torch.bfloat16 and torch.equal(drafter.draft_vocab, vocab)
+
+
+class _CharTokenizer:
+    """A character tokenizer with SmolLM2's chat template over an 80-token vocabulary (ids 0-2 special), for
+    running ``build-data`` on a tiny GGUF target without downloads."""
+
+    SPECIAL = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \n.,:;!?()[]{}_-=+*/'\"#<>"[:77]
+    chat_template = "chatml"
+    eos_token_id = pad_token_id = 2
+    eos_token = "<|im_end|>"
+
+    def _ids(self, text):
+        out, i = [], 0
+        while i < len(text):
+            for s, j in self.SPECIAL.items():
+                if text.startswith(s, i):
+                    out.append(j)
+                    i += len(s)
+                    break
+            else:
+                c = text[i]
+                out.append(3 + (self.ALPHABET.index(c) if c in self.ALPHABET else 76))
+                i += 1
+        return out
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": self._ids(text)}
+
+    def apply_chat_template(self, msgs, add_generation_prompt=False, tokenize=True):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
+        text += "<|im_start|>assistant\n" if add_generation_prompt else ""
+        return self._ids(text) if tokenize else text
+
+    def convert_tokens_to_ids(self, s):
+        return self.SPECIAL.get(s, -1)
+
+    def decode(self, ids, skip_special_tokens=False):
+        names = {j: s for s, j in self.SPECIAL.items()}
+        return "".join(names.get(i, "") if i < 3 else self.ALPHABET[i - 3] for i in ids)
+
+
+def test_build_data_gguf_shards_equal_rows_alone_and_resume(tmp_path, monkeypatch):
+    """``build-data`` on a tiny GGUF target: each stored sequence (tokens, fp16 features, top-k) is the bits of
+    its prompt generated alone; the manifest records the target format and the measured speed; a killed run
+    (a shard missing) resumes by writing that shard alone, bit for bit; other options are refused."""
+    import json
+
+    from gguf_models import write_tiny_gguf
+
+    import taps.training.data as data_mod
+    from taps.data.gguf_generation import GGUFGenerator
+    from taps.models.gguf_target import load_gguf_target
+    from taps.models.target import apply_chat_template
+    from taps.training.data import build_data
+    from taps.training.train import ShardData
+
+    _C = pytest.importorskip("taps_kernels._C")
+    if not (_C.gguf_forward_available() and _C.gguf_vnni_available()):
+        pytest.skip("the gguf target format needs AVX-512 VNNI")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", vocab=80, layers=3)
+    target, tok = load_gguf_target(path), _CharTokenizer()
+    monkeypatch.setattr(data_mod, "load_target", lambda name, **kw: (target, tok))
+    out = tmp_path / "data"
+    cfg = BuildDataConfig(out=str(out), target=str(path), num_prompts=6, shard_size=3, batch_size=2, max_new_tokens=5,
+                          max_prompt_tokens=20, layer_ids=[0, 1], chat_fraction=0.0, topk=4, target_format="gguf",
+                          threads=1)
+    build_data(cfg, command="taps build-data --target-format gguf")
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["target_format"] == "gguf" and man["config"]["target_format"] == "gguf"
+    g = man["generation"]
+    assert g["shards"] == 2 and g["threads"] == [1] and g["batch_size"] == [2] and g["target_format"] == ["gguf"]
+    assert g["response_tokens"] > 0 and g["response_tokens_per_s"] >= g["response_tokens_per_s_with_magpie"] > 0
+    assert g["cpu"] and g["magpie_seconds"] == 0.0  # no chat prompts asked: no Magpie sampling
+    assert json.loads((out / "meta.json").read_text())["target_format"] == "gguf"
+
+    prompts = {r["idx"]: r for r in map(json.loads, (out / "prompts.jsonl").read_text().splitlines())}
+    alone = GGUFGenerator(target, [0, 1], batch_size=1)
+    ds = ShardData(str(out))
+    seen = trainable = 0
+    for s in range(2):
+        blob = torch.load(out / f"shard_{s:05d}.pt", weights_only=True)
+        for i, idx in enumerate(blob["prompt_idx"].tolist()):
+            ids = apply_chat_template(tok, prompts[idx]["text"])[-20:]
+            want = alone.generate([ids], 5, eos_id=tok.eos_token_id, topk=4)[0]
+            o0, o1 = int(blob["offsets"][i]), int(blob["offsets"][i + 1])
+            assert blob["tokens"][o0:o1].tolist() == want.tokens and int(blob["prompt_lens"][i]) == want.prompt_len
+            assert torch.equal(blob["feats"][o0:o1].view(torch.int16), want.feats.view(torch.int16))
+            t0, t1 = int(blob["topk_offsets"][i]), int(blob["topk_offsets"][i + 1])
+            assert torch.equal(blob["topk_ids"][t0:t1].long(), want.topk_ids)
+            assert torch.equal(blob["topk_logp"][t0:t1], want.topk_logp.half())
+            seen += 1
+            trainable += len(want.tokens) - want.prompt_len >= 2
+    assert seen == 6 and len(ds) == trainable and ds.has_topk  # the trainer reads the shards
+
+    first = (out / "shard_00000.pt").stat().st_mtime_ns
+    kept = torch.load(out / "shard_00001.pt", weights_only=True)
+    (out / "shard_00001.pt").unlink()
+    build_data(cfg, command="taps build-data --target-format gguf")
+    assert (out / "shard_00000.pt").stat().st_mtime_ns == first
+    again = torch.load(out / "shard_00001.pt", weights_only=True)
+    assert again.keys() == kept.keys()
+    for k, v in kept.items():
+        assert (torch.equal(v.view(torch.int16) if v.dtype == torch.float16 else v, again[k].view(torch.int16)
+                            if v.dtype == torch.float16 else again[k]) if torch.is_tensor(v) else v == again[k]), k
+    assert len((out / "stats.jsonl").read_text().splitlines()) == 3
+    assert json.loads((out / "manifest.json").read_text())["generation"]["shards"] == 3
+    with pytest.raises(ValueError, match="target_format"):
+        build_data(BuildDataConfig(**dict(cfg.__dict__, target_format="fp32")))
+
+
+def test_build_data_fp32_and_data_from_before_the_target_format(tmp_path, monkeypatch):
+    """``target_format="fp32"`` answers through :class:`LlamaGenerator` (each shard's prompts sorted by length in
+    one left-padded batch here); a directory whose manifest predates the option holds fp32 data: an fp32 run
+    resumes it, a gguf run is refused naming the option."""
+    import json
+
+    import taps.training.data as data_mod
+    from taps.models.target import apply_chat_template
+    from taps.training.data import build_data
+
+    target, tok = tiny_target(2, vocab=80), _CharTokenizer()
+    monkeypatch.setattr(data_mod, "load_target", lambda name, **kw: (target, tok))
+    out = tmp_path / "data"
+    cfg = BuildDataConfig(out=str(out), target="tiny.gguf", num_prompts=4, shard_size=2, batch_size=2,
+                          max_new_tokens=4, max_prompt_tokens=20, layer_ids=[0, 1], chat_fraction=0.0, topk=4,
+                          target_format="fp32", threads=1)
+    build_data(cfg)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["target_format"] == "fp32" and man["generation"]["target_format"] == ["fp32"]
+    prompts = {r["idx"]: r for r in map(json.loads, (out / "prompts.jsonl").read_text().splitlines())}
+    gen = LlamaGenerator(target, layer_ids=[0, 1])
+    for s in range(2):
+        blob = torch.load(out / f"shard_{s:05d}.pt", weights_only=True)
+        idx = blob["prompt_idx"].tolist()
+        ids = [apply_chat_template(tok, prompts[i]["text"])[-20:] for i in idx]
+        order = sorted(range(len(ids)), key=lambda j: len(ids[j]))
+        want = dict(zip(order, gen.generate([ids[j] for j in order], 4, eos_id=tok.eos_token_id, topk=4)))
+        for i in range(len(idx)):
+            o0, o1 = int(blob["offsets"][i]), int(blob["offsets"][i + 1])
+            assert blob["tokens"][o0:o1].tolist() == want[i].tokens
+    for key in ("target_format", "target_format_why"):
+        man.pop(key)
+    man["config"].pop("target_format")
+    (out / "manifest.json").write_text(json.dumps(man))
+    build_data(cfg)  # resumes: every shard is there
+    assert len((out / "stats.jsonl").read_text().splitlines()) == 2
+    _C = pytest.importorskip("taps_kernels._C")
+    if _C.gguf_forward_available() and _C.gguf_vnni_available():
+        with pytest.raises(ValueError, match="other options.*target_format"):
+            build_data(BuildDataConfig(**dict(cfg.__dict__, target_format="gguf")))

@@ -16,9 +16,9 @@ def _int_list(s):
 
 
 def _cmd_build_data(args):
-    import shlex
     import sys
 
+    from taps.paths import portable_command
     from taps.training.data import BuildDataConfig, build_data, data_summary
 
     deadline = time.time() + args.max_minutes * 60 if args.max_minutes else None
@@ -28,8 +28,9 @@ def _cmd_build_data(args):
                           layer_ids=_int_list(args.layer_ids), seed=args.seed, feat_dtype=args.feat_dtype,
                           threads=args.threads, deadline=deadline, part=args.part, num_parts=args.num_parts,
                           chat_fraction=args.chat_fraction, topk=args.topk,
-                          magpie_temperature=args.magpie_temperature, magpie_max_tokens=args.magpie_max_tokens)
-    build_data(cfg, command="python -m taps.cli.train " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+                          magpie_temperature=args.magpie_temperature, magpie_max_tokens=args.magpie_max_tokens,
+                          target_format=args.target_format)
+    build_data(cfg, command="python -m taps.cli.train " + portable_command(sys.argv[1:]))
     print(json.dumps(data_summary(args.out), indent=1))
     return 0
 
@@ -104,6 +105,9 @@ def add_subcommands(subparsers):
     p.add_argument("--topk", type=int, default=32, help="top-k target log-probabilities kept per response token")
     p.add_argument("--magpie-temperature", type=float, default=1.0)
     p.add_argument("--magpie-max-tokens", type=int, default=96)
+    p.add_argument("--target-format", default="auto", choices=["auto", "gguf", "fp32"],
+                   help="gguf: the shipped GGUF blocks through the C++ forward, --batch-size rows per decode step "
+                        "(auto picks it on CPUs with AVX-512 VNNI); fp32: transformers' dequantised modules")
     p.set_defaults(func=_cmd_build_data)
 
     p = subparsers.add_parser("train-drafter", help="train a DFlash drafter on build-data shards")

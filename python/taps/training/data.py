@@ -3,10 +3,21 @@
 Two prompt kinds, mixed in every shard: local code prompts
 (:mod:`taps.training.prompts`) and chat prompts the target writes itself
 (Magpie, :mod:`taps.data.magpie`). The target answers each greedily with the
-chat template, batched and left padded, through
-:class:`taps.data.generation.LlamaGenerator` (preallocated cache, finished
-rows leave the batch), which captures the drafter's target features
-(``hidden_states[id+1]``) and the top-k log-probabilities in the same pass.
+chat template and captures the drafter's target features (``hidden_states[id+1]``)
+and the top-k log-probabilities in the same pass, in one of the two target formats
+(``target_format``, :func:`taps.models.target.resolve_target_format`):
+
+* ``gguf`` (the shipped target, ``auto``'s choice on CPUs with AVX-512 VNNI):
+  :class:`taps.data.gguf_generation.GGUFGenerator`, ``batch_size`` rows of one
+  preallocated cache, one C++ forward per decode step for all live rows, a finished
+  row replaced by the shard's next prompt at once; each row's output is the bits of
+  that row generated alone;
+* ``fp32``: :class:`taps.data.generation.LlamaGenerator` over transformers' weights
+  (left padded batches of each prompt kind, finished rows leave the batch).
+
+The speed of every shard (response tokens/s without the Magpie sampling, threads,
+batch, CPU) goes to ``stats.jsonl`` and its sum over the directory to the manifest's
+``generation`` record.
 
 Shard format 2 (``shard_XXXXX.pt``, written atomically, skipped if present so
 a killed run resumes where it stopped)::
@@ -38,8 +49,9 @@ from typing import List, Optional
 
 import torch
 
+from taps.decode.latency import cpu_name
 from taps.models.drafter import default_target_layer_ids
-from taps.models.target import apply_chat_template, load_target
+from taps.models.target import TARGET_FORMATS, apply_chat_template, load_target, resolve_target_format
 from taps.paths import portable_command, portable_record
 from taps.training.prompts import build_prompts, extend_prompts
 
@@ -113,7 +125,10 @@ class BuildDataConfig:
     :mod:`taps.training.prompts`. Every shard holds both kinds in that ratio, so any held-out shard
     measures both. ``topk``: top-k target log-probabilities kept per response token (0: none).
     ``deadline``: unix time after which no new shard is started. ``part``/``num_parts``: this process
-    writes the shards ``s`` with ``s % num_parts == part``.
+    writes the shards ``s`` with ``s % num_parts == part``. ``target_format``: ``auto`` (the GGUF blocks where
+    :func:`taps.models.target.resolve_target_format` picks them), ``gguf`` or ``fp32``; with ``gguf``
+    ``batch_size`` rows are live at once and a shard's prompts all go through one batch, so a
+    ``shard_size`` of a few times ``batch_size`` keeps the batch full until the shard's last rows.
     """
 
     out: str
@@ -135,8 +150,11 @@ class BuildDataConfig:
     topk: int = 32
     magpie_temperature: float = 1.0
     magpie_max_tokens: int = 96
+    target_format: str = "auto"
 
     def __post_init__(self):
+        if self.target_format not in TARGET_FORMATS:
+            raise ValueError(f"target_format: expected one of {TARGET_FORMATS}, received {self.target_format!r}")
         if self.feat_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"feat_dtype: expected float16, bfloat16 or float32, received {self.feat_dtype!r}")
         if not 0.0 <= self.chat_fraction <= 1.0:
@@ -190,6 +208,7 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
     import sys
 
     from taps.data.generation import LlamaGenerator
+    from taps.data.gguf_generation import GGUFGenerator
     from taps.data.magpie import MagpieWriter
     from taps.training.prompts import EvalFilter
 
@@ -200,15 +219,20 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tok = load_target(cfg.target, linear_kernel="torch")
+    fmt, why = resolve_target_format(cfg.target_format, cfg.target)
+    model, tok = load_target(cfg.target, linear_kernel="torch", target_format=fmt)
     nl = model.config.num_hidden_layers
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else default_target_layer_ids(nl, cfg.num_feature_layers)
     man_p = out / "manifest.json"
-    keep = ("target", "layer_ids", "shard_size", "chat_fraction", "seed", "max_new_tokens", "topk")
+    keep = ("target", "target_format", "layer_ids", "shard_size", "chat_fraction", "seed", "max_new_tokens", "topk")
+    # compared as stored: paths portable, tuples as lists
+    asked = portable_record(dict({k: getattr(cfg, k) for k in keep}, layer_ids=layer_ids, target_format=fmt))
     if man_p.exists():
         old = json.loads(man_p.read_text())
-        diff = {k: (old["config"].get(k), v) for k, v in ((k, layer_ids if k == "layer_ids" else getattr(cfg, k))
-                                                          for k in keep) if old["config"].get(k) != v}
+        stored = dict(old["config"])
+        if stored.get("target_format") in (None, "auto"):  # data written before the GGUF format: fp32
+            stored["target_format"] = old.get("target_format", "fp32")
+        diff = {k: (stored.get(k), v) for k, v in asked.items() if stored.get(k) != v}
         if diff:
             raise ValueError(f"{out} holds data built with other options (stored, asked): {diff}")
     nshards, n_code, n_chat = shard_plan(cfg)
@@ -224,22 +248,28 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
         code = build_prompts(nshards * n_code, seed=cfg.seed, eval_filter=ef)
         dropped = getattr(build_prompts, "last_dropped", None)
         _atomic_write(code_p, "".join(json.dumps(p) + "\n" for p in code))
-    gen = LlamaGenerator(model, layer_ids)
+    if fmt == "gguf":
+        gen = GGUFGenerator(model, layer_ids, batch_size=cfg.batch_size)
+    else:
+        gen = LlamaGenerator(model, layer_ids)
     magpie = MagpieWriter(out, gen, tok, eval_filter=ef, temperature=cfg.magpie_temperature,
                           max_tokens=cfg.magpie_max_tokens, batch_size=2 * cfg.batch_size, seed=cfg.seed)
     conf = {k: v for k, v in asdict(cfg).items() if k not in ("deadline",)}
     conf["layer_ids"] = layer_ids
+    conf["target_format"] = fmt
     manifest = {"config": portable_record(conf), "command": command or portable_command(sys.argv),
-                "num_target_layers": nl,
+                "target_format": fmt, "target_format_why": why, "num_target_layers": nl,
                 "hidden_size": model.config.hidden_size, "layer_ids": layer_ids, "num_shards": nshards,
                 "code_per_shard": n_code, "chat_per_shard": n_chat, "prompt_mode": "chat",
-                "feat_dtype": cfg.feat_dtype, "eval_filter_dropped": dropped, "format": 2}
+                "feat_dtype": cfg.feat_dtype, "eval_filter_dropped": dropped, "format": 2,
+                "generation": generation_speed(out)}
     _atomic_write(man_p, json.dumps(manifest, indent=1))
     # meta.json: what ShardData reads (layer ids of the features)
-    _atomic_write(out / "meta.json", json.dumps({"target": cfg.target, "num_target_layers": nl,
+    _atomic_write(out / "meta.json", json.dumps({"target": cfg.target, "target_format": fmt, "num_target_layers": nl,
                                                  "layer_ids": layer_ids, "hidden_size": model.config.hidden_size,
                                                  "feat_dtype": cfg.feat_dtype, "format": 2}, indent=1))
     dt = getattr(torch, cfg.feat_dtype)
+    cpu = cpu_name()
     stats_p = out / "stats.jsonl"
     for s in range(nshards):
         sp = out / f"shard_{s:05d}.pt"
@@ -253,20 +283,8 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
         t_magpie = time.time() - t0
         items = [("code", i, code[i]) for i in range(s * n_code, min(len(code), (s + 1) * n_code))]
         items += [("chat", i, turns[i]) for i in range(s * n_chat, (s + 1) * n_chat)]
-        results = [None] * len(items)
-        for kind in ("code", "chat"):
-            sel = [j for j, it in enumerate(items) if it[0] == kind]
-            pids = {}
-            for j in sel:
-                ids = apply_chat_template(tok, items[j][2]["text"])
-                pids[j] = ids[-cfg.max_prompt_tokens:]
-            sel.sort(key=lambda j: len(pids[j]))
-            for k in range(0, len(sel), cfg.batch_size):
-                chunk = sel[k:k + cfg.batch_size]
-                res = gen.generate([pids[j] for j in chunk], cfg.max_new_tokens, eos_id=tok.eos_token_id,
-                                   topk=cfg.topk)
-                for j, r in zip(chunk, res):
-                    results[j] = r
+        pids = [apply_chat_template(tok, it[2]["text"])[-cfg.max_prompt_tokens:] for it in items]
+        results = _answer(gen, pids, [it[0] for it in items], cfg, tok.eos_token_id, fmt)
         kinds = [it[2]["kind"] for it in items]
         pidx = [(i if k == "code" else 1_000_000 + i) for k, i, _ in items]
         blob = _pack_shard(results, kinds, pidx, layer_ids, dt, cfg.topk)
@@ -278,16 +296,65 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
         el = time.time() - t0
         row = {"shard": s, "seqs": len(items), "tokens": ntok, "response_tokens": nresp, "seconds": round(el, 1),
                "magpie_seconds": round(t_magpie, 1), "tokens_per_s": round(ntok / max(el - t_magpie, 1e-6), 1),
+               "generation_seconds": round(el - t_magpie, 3),
+               "response_tokens_per_s": round(nresp / max(el - t_magpie, 1e-6), 1), "target_format": fmt,
+               "threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "cpu": cpu,
                "bytes": sp.stat().st_size, "wall": time.strftime("%H:%M:%S")}
         with open(stats_p, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
         _write_prompt_index(out, code, magpie.turns)
+        m = json.loads(man_p.read_text())
+        m["generation"] = generation_speed(out)
+        _atomic_write(man_p, json.dumps(m, indent=1))
     _write_prompt_index(out, code, magpie.turns)
     m = json.loads(man_p.read_text())
     m["magpie"] = dict(magpie.stats, accepted=len(magpie.turns))
+    m["generation"] = generation_speed(out)
     _atomic_write(man_p, json.dumps(m, indent=1))
     return out
+
+
+def _answer(gen, prompt_ids: List[List[int]], kinds: List[str], cfg: BuildDataConfig, eos_id: int, fmt: str):
+    """Greedy answers (:class:`taps.data.generation.GenResult`, in prompt order) to a shard's prompts.
+
+    ``gguf``: every prompt in one call (shortest first, ``cfg.batch_size`` rows live; rows are independent,
+    so the grouping changes no bit). ``fp32``: each prompt kind apart in left-padded batches of
+    ``cfg.batch_size`` sorted by length (padding changes float32 rounding, so the grouping is kept as it
+    always was).
+    """
+    order = sorted(range(len(prompt_ids)), key=lambda j: len(prompt_ids[j]))
+    if fmt == "gguf":
+        groups = [order]
+    else:
+        groups = []
+        for kind in ("code", "chat"):
+            sel = [j for j in order if kinds[j] == kind]
+            groups += [sel[k:k + cfg.batch_size] for k in range(0, len(sel), cfg.batch_size)]
+    results = [None] * len(prompt_ids)
+    for chunk in groups:
+        res = gen.generate([prompt_ids[j] for j in chunk], cfg.max_new_tokens, eos_id=eos_id, topk=cfg.topk)
+        for j, r in zip(chunk, res):
+            results[j] = r
+    return results
+
+
+def generation_speed(data_dir) -> dict:
+    """The ``generation`` record of a manifest: response tokens/s over every shard of ``stats.jsonl``, Magpie
+    sampling excluded (``response_tokens_per_s``) and included (``..._with_magpie``), with the target formats,
+    threads, batch sizes and CPUs the shards were made with."""
+    rows = []
+    p = Path(data_dir) / "stats.jsonl"
+    if p.exists():
+        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    resp = sum(r["response_tokens"] for r in rows)
+    secs = sum(r.get("generation_seconds", r["seconds"] - r.get("magpie_seconds", 0.0)) for r in rows)
+    seen = {k: sorted({r[k] for r in rows if k in r}) for k in ("target_format", "threads", "batch_size", "cpu")}
+    magpie = sum(r.get("magpie_seconds", 0.0) for r in rows)
+    return {"shards": len(rows), "response_tokens": resp, "seconds": round(secs, 3),
+            "response_tokens_per_s": round(resp / secs, 1) if secs > 0 else None, "magpie_seconds": round(magpie, 1),
+            "response_tokens_per_s_with_magpie": round(resp / (secs + magpie), 1) if secs + magpie > 0 else None,
+            **seen}
 
 
 def _write_prompt_index(out: Path, code: List[dict], chat: List[dict]):
