@@ -8,21 +8,15 @@ bounds in Python on every call (measured here ~0.3 ms per mask/accept call and ~
 compaction under load, against 6 us / 0.17 ms for the kernels), so the loop calls the backend's kernel
 directly, through the one dispatch (:func:`taps_kernels.backend.resolve`). The public ops (with checks)
 remain the entry point for inputs that come from outside.
-
-:data:`HOT` is the ``validate=`` the policies pass to the public pool/score/select ops for the same reason.
 """
 from __future__ import annotations
 
-import inspect
 from typing import List, Sequence, Tuple
 
 import torch
 
 from taps_kernels import Tree, custom_ops
 from taps_kernels.backend import resolve
-
-HOT = "none"
-
 
 def _direct(device: torch.device) -> bool:
     return device.type == "cpu" and not torch.compiler.is_compiling()
@@ -53,17 +47,4 @@ def compact_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], pre
     return custom_ops.compact_kv(list(keys), list(values), prefix_lens, path)
 
 
-def accepts_validate(fn) -> bool:
-    """Whether a public op takes ``validate=`` (older releases of the ops did not)."""
-    try:
-        return "validate" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def hot_kwargs(fn) -> dict:
-    """``{"validate": HOT}`` for public ops that take it, else ``{}``."""
-    return {"validate": HOT} if accepts_validate(fn) else {}
-
-
-__all__: List[str] = ["tree_mask", "accept_greedy", "compact_kv", "hot_kwargs", "HOT"]
+__all__: List[str] = ["tree_mask", "accept_greedy", "compact_kv"]

@@ -447,7 +447,8 @@ class BatchDecoder:
         else:
             path, accept_len, next_token = kernels.accept_greedy(tree, target_tokens, max_depth=P - 1)
         accept_len = torch.where(active, accept_len, torch.zeros_like(accept_len))
-        path = torch.where(active[:, None] | (torch.arange(P, device=dev) == 0)[None, :], path, torch.full_like(path, -1))
+        keep = active[:, None] | (torch.arange(P, device=dev) == 0)[None, :]
+        path = torch.where(keep, path, torch.full_like(path, -1))
         path_tokens = tree.tokens.gather(1, path.clamp(min=0))
         shifted = torch.cat([path_tokens[:, 1:], path_tokens.new_zeros(B, 1)], 1)
         j = torch.arange(P, device=dev)[None, :]

@@ -31,14 +31,11 @@ import torch
 import taps_kernels
 from taps_kernels import Tree
 
-from ..kernels import hot_kwargs
 from ..tree_ops import chain_tree, root_only_tree  # noqa: F401  (re-exported: policies build these)
 
-#: ``validate=`` for the public ops a policy calls inside a round (their inputs are the loop's own draft and
-#: trees; :mod:`taps.decode.kernels`)
-HOT_POOL = hot_kwargs(taps_kernels.candidate_pool)
-HOT_SCORE = hot_kwargs(taps_kernels.score_edges)
-HOT_SELECT = hot_kwargs(taps_kernels.select_subtree)
+#: ``validate=`` of the public ops a policy calls inside a round: their inputs are the loop's own draft and
+#: trees, so the value checks would find nothing (and on a GPU they would synchronise the device)
+IN_ROUND = "none"
 
 
 class PolicyError(ValueError):

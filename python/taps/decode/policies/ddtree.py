@@ -4,7 +4,7 @@ from __future__ import annotations
 import taps_kernels
 
 from ..tree_ops import truncate_depth
-from .base import HOT_POOL, NO_TIMER, BuiltTree, TreePolicy, parse_budget, register_policy
+from .base import IN_ROUND, NO_TIMER, BuiltTree, TreePolicy, parse_budget, register_policy
 
 #: ``--policy ddtree`` without a budget: the node budget (non-root nodes) per row. 8 sits between the best
 #: fixed budgets of the CPU benchmark (4 on HumanEval and MT-Bench, 8 within 4%:
@@ -32,7 +32,7 @@ class DDTreePolicy(TreePolicy):
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         timer = timer or NO_TIMER
         with timer("pool"):
-            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), validate=IN_ROUND,
                                                vocab_ids=self.vocab_ids,
                                                top_k=min(self.budget, draft_logits.shape[-1]),
                                                pool_size=self.budget)

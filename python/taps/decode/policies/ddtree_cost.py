@@ -13,7 +13,7 @@ from typing import Optional
 import taps_kernels
 
 from ..latency import get_table
-from .base import HOT_POOL, NO_TIMER, parse_budget, register_policy
+from .base import IN_ROUND, NO_TIMER, parse_budget, register_policy
 from .gate import GatedPolicy
 from .taps import DEFAULT_CAP
 
@@ -40,7 +40,7 @@ class CostAwareDDTreePolicy(GatedPolicy):
             raise RuntimeError(f"policy {self.name}: bind() was not called (the decoder calls it)")
         timer = timer or NO_TIMER
         with timer("pool"):
-            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), validate=IN_ROUND,
                                                vocab_ids=self.vocab_ids,
                                                top_k=min(self.max_nodes, draft_logits.shape[-1]),
                                                pool_size=self.max_nodes)

@@ -26,7 +26,7 @@ from taps_kernels.ops.lookup import DEFAULT_MAX_NGRAM
 from ..latency import get_table
 from ..lookup import accepted_prefix, lookup_only_tree
 from ..tree_ops import root_only_tree
-from .base import NO_TIMER, BuiltTree, PolicyError, TreePolicy, parse_budget, register_policy
+from .base import IN_ROUND, NO_TIMER, BuiltTree, PolicyError, TreePolicy, parse_budget, register_policy
 from .taps import DEFAULT_CAP, DEFAULT_MAX_DEPTH, OPTIONS, TapsPolicy
 
 #: Chain length: as HF's prompt-lookup examples (10 tokens).
@@ -74,7 +74,7 @@ class PromptLookupPolicy(TreePolicy):
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None, history=None):
         tokens, lengths = _history(self.name, history)
         with (timer or NO_TIMER)("lookup"):
-            chain, chain_len, _ = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram)
+            chain, chain_len, _ = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram, validate=IN_ROUND)
             return BuiltTree(lookup_only_tree(bonus, chain, chain_len, depth_cap))
 
 
@@ -146,9 +146,11 @@ class TapsLookupPolicy(TapsPolicy):
         else:
             tree, log_reach = self._scored_pool(draft_logits, draft_hidden, bonus, timer)
         with timer("lookup"):
-            chain, chain_len, ngram = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram)
+            chain, chain_len, ngram = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram,
+                                                   validate=IN_ROUND)
             tree, log_reach, nodes = graft_chain(tree, log_reach, chain, chain_len,
-                                                 self.acceptance.log_reach(ngram, self.num_tokens))
+                                                 self.acceptance.log_reach(ngram, self.num_tokens),
+                                                 validate=IN_ROUND)
         with timer("selection"):
             keep, expected, sizes = self._throughput_keep(tree, log_reach, depth_cap, rows)
             kept = (keep.gather(1, nodes.clamp(min=0)) & (nodes >= 0)).sum(1)

@@ -37,7 +37,7 @@ import taps_kernels
 
 from ..latency import get_table
 from ..tree_ops import truncate_depth
-from .base import HOT_POOL, HOT_SCORE, HOT_SELECT, NO_TIMER, BuiltTree, PolicyError, parse_budget, register_policy
+from .base import IN_ROUND, NO_TIMER, BuiltTree, PolicyError, parse_budget, register_policy
 from .gate import GatedPolicy, OverheadTracker  # noqa: F401  (OverheadTracker: re-exported)
 from .scorer_io import load_scorer_weights
 
@@ -143,13 +143,13 @@ class TapsPolicy(GatedPolicy):
             raise RuntimeError(f"policy {self.name}: bind() was not called (the decoder calls it)")
         V = draft_logits.shape[-1]
         with timer("pool"):
-            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), **HOT_POOL,
+            pool = taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), validate=IN_ROUND,
                                                vocab_ids=self.vocab_ids,
                                                top_k=min(self.top_k or 64, V), pool_size=self.pool_size)
         with timer("scoring"):
             hid = draft_hidden.float() if self.weights.full else None
             _, _, log_reach = taps_kernels.score_edges(pool, self.weights, self.emb if self.weights.full else None, hid,
-                                                      **HOT_SCORE)
+                                                      validate=IN_ROUND)
         return pool.tree, log_reach
 
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
@@ -160,11 +160,11 @@ class TapsPolicy(GatedPolicy):
                 return self._throughput_build(pool_tree, log_reach, depth_cap, draft_logits.shape[1], rows)
             if self.rule == "fixed":
                 tree = taps_kernels.select_subtree(pool_tree, log_reach, self.max_nodes, rule="reach",
-                                                   **HOT_SELECT).tree
+                                                   validate=IN_ROUND).tree
             else:
-                tree = taps_kernels.select_subtree(pool_tree, log_reach, self.max_nodes, rule="utility", **HOT_SELECT,
-                                                   lambda_node=LAMBDA_NODE, lambda_depth=LAMBDA_DEPTH,
-                                                   min_utility=self.min_utility).tree
+                tree = taps_kernels.select_subtree(pool_tree, log_reach, self.max_nodes, rule="utility",
+                                                   validate=IN_ROUND, lambda_node=LAMBDA_NODE,
+                                                   lambda_depth=LAMBDA_DEPTH, min_utility=self.min_utility).tree
             if depth_cap is not None:
                 tree = truncate_depth(tree, depth_cap)
         return BuiltTree(tree)
