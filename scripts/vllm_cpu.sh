@@ -14,8 +14,10 @@
 #   bash scripts/vllm_cpu.sh              # LIMIT=4 prompts per dataset, MAX_NEW=48 tokens, THREADS=1
 #
 # Results: bench/results/vllm_cpu_smoke.json (vLLM rows + the commands), bench/results/vllm_cpu_ours.json
-# (our rows: GGUF target, bf16 drafter layers), bench/results/vllm_cpu_ours_fp32.json (our ar/dflash rows on the fp32
-# target and fp32 drafter: the same arithmetic as vLLM's, for the tau comparison); `taps report` reads them.
+# (our rows: the default GGUF target and drafter body), bench/results/vllm_cpu_ours_fp32.json (our ar/dflash rows on the fp32
+# target and fp32 drafter: the same arithmetic as vLLM's, for the tau comparison); `taps report` reads them:
+#   taps report bench/results/vllm_cpu_ours.json bench/results/vllm_cpu_ours_fp32.json \
+#     bench/results/vllm_cpu_smoke.json --out-md bench/results/vllm_cpu_peer.md --plots 
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -180,7 +182,7 @@ EOF
 # 5. our rows on the same prompts, threads and token budget
 if [ "${SKIP_OURS:-0}" != "1" ]; then
   "$PY" -m taps.cli.main bench --datasets humaneval,mtbench --limit "$LIMIT" --turns 1 --max-new-tokens "$MAX_NEW" \
-    --threads "$THREADS" --policies dflash,taps,taps-lookup --draft-dtype bfloat16 --quiet --jsonl /dev/null \
+    --threads "$THREADS" --policies dflash,taps,taps-lookup --quiet --jsonl /dev/null \
     --out "$RES/vllm_cpu_ours.json"
   "$PY" -m taps.cli.main bench --datasets humaneval,mtbench --limit "$LIMIT" --turns 1 --max-new-tokens "$MAX_NEW" \
     --threads "$THREADS" --policies dflash --target-format fp32 --draft-dtype float32 --draft-head-dtype float32 \
