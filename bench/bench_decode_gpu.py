@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -54,6 +55,7 @@ import re
 import statistics
 import sys
 import time
+from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "bench", "data")
@@ -454,104 +456,133 @@ def device_tag(device) -> str:
 
 # --- the run --------------------------------------------------------------------------------------------------
 
-def main(args) -> int:
-    if args.write_prompts:
-        write_prompts(args.write_prompts)
-        return 0
-    t_start = time.perf_counter()
+@dataclasses.dataclass
+class Plan:
+    """The run's options with their defaults filled in (from ``--quick`` and the device)."""
+
+    device: torch.device
+    quick: bool
+    dtype: torch.dtype
+    check_dtype: Optional[torch.dtype]  # None: exactness judged in the timing dtype
+    specs: List[str]  # "ar" first
+    n_prompts: int
+    max_new: int
+    nodes: List[int]
+    batches: List[int]
+    prefix: int
+    iters: int
+    out_dir: str
+
+
+def make_plan(args) -> Plan:
+    """The :class:`Plan` of ``args``; sets the CPU threads, creates the output folder, turns autograd off."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     quick = args.quick
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    check_dtype = None if args.check_dtype == "none" else getattr(torch, args.check_dtype)
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
-    if "ar" not in specs:
-        specs.insert(0, "ar")
-    specs = ["ar"] + [s for s in specs if s != "ar"]
-    n_prompts = args.prompts or (2 if quick else 4)
-    max_new = args.max_new_tokens or (6 if quick else 48)
-    nodes = [int(x) for x in (args.latency_nodes or ("1,2,4,8" if quick else
-                                                      "1,2,3,4,6,8,12,16,24,32,48,64,96,128")).split(",")]
-    batches = [int(x) for x in (args.latency_batches or ("1,2" if quick else "1,4,16")).split(",")]
-    prefix = args.prefix or (32 if quick else 256)
-    iters = args.iters or (10 if device.type == "cuda" else 2)
-    out_dir = args.out or os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_check")
-    os.makedirs(out_dir, exist_ok=True)
-    left = lambda: args.budget_s - (time.perf_counter() - t_start)  # noqa: E731
+    nodes = args.latency_nodes or ("1,2,4,8" if quick else "1,2,3,4,6,8,12,16,24,32,48,64,96,128")
+    plan = Plan(device=device, quick=quick,
+                dtype=getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32")),
+                check_dtype=None if args.check_dtype == "none" else getattr(torch, args.check_dtype),
+                specs=["ar"] + [s for s in specs if s != "ar"],
+                n_prompts=args.prompts or (2 if quick else 4), max_new=args.max_new_tokens or (6 if quick else 48),
+                nodes=[int(x) for x in nodes.split(",")],
+                batches=[int(x) for x in (args.latency_batches or ("1,2" if quick else "1,4,16")).split(",")],
+                prefix=args.prefix or (32 if quick else 256), iters=args.iters or (10 if device.type == "cuda" else 2),
+                out_dir=args.out or os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_check"))
+    os.makedirs(plan.out_dir, exist_ok=True)
     torch.set_grad_enabled(False)
+    return plan
 
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def start_record(args, plan: Plan, prompt_ids, prompts) -> dict:
+    """Prints the run's header and returns the record's ``meta``, ``skipped`` and ``backends`` parts."""
     from taps_kernels import backend
 
-    prompt_ids, prompts = load_prompts(n_prompts)
-    batch = len(prompts)
-    cfg = target_config(quick)
+    device, quick = plan.device, plan.quick
     print(f"# decode check on {device_tag(device)}: target of SmolLM2-135M's shape"
           f"{' (--quick: tiny shapes ' + str(QUICK_TARGET) + ')' if quick else ''} with RANDOM seeded weights "
-          f"(seed {args.seed}), timing dtype {str(dtype).replace('torch.', '')}, exactness dtype "
-          f"{str(check_dtype).replace('torch.', '') if check_dtype else 'same'}; {len(prompts)} HumanEval prompts "
-          f"({[len(p) for p in prompts]} tokens), {max_new} new tokens each, no stop tokens")
+          f"(seed {args.seed}), timing dtype {_dtype_name(plan.dtype)}, exactness dtype "
+          f"{_dtype_name(plan.check_dtype) if plan.check_dtype else 'same'}; {len(prompts)} HumanEval prompts "
+          f"({[len(p) for p in prompts]} tokens), {plan.max_new} new tokens each, no stop tokens")
     print("# random target weights: the shipped drafter does not match it, so tau ~ 1 is expected; this checks "
           "that the kernel path runs, is lossless and how fast each stage is, not acceptance")
-    record = {"meta": {"device": device_tag(device), "torch": torch.__version__, "python": platform.python_version(),
-                       "quick": quick, "dtype": str(dtype), "check_dtype": str(check_dtype), "seed": args.seed,
-                       "prompts": prompt_ids, "prompt_lens": [len(p) for p in prompts], "max_new_tokens": max_new,
-                       "policies": specs, "weights": "random (seeded), shape of bench/data/smollm2_135m_config.json",
-                       "drafter": "random tiny" if quick else os.path.relpath(DRAFTER_DIR, ROOT),
-                       "scorer": "random" if quick else os.path.relpath(SCORER_DIR, ROOT),
-                       "taps_backend_env": os.environ.get("TAPS_BACKEND"),
-                       "note": "tau ~ 1 on random weights; the decode part checks the kernel path, exactness "
-                               "and stage times, not acceptance"},
-              "skipped": []}
+    meta = {"device": device_tag(device), "torch": torch.__version__, "python": platform.python_version(),
+            "quick": quick, "dtype": str(plan.dtype), "check_dtype": str(plan.check_dtype), "seed": args.seed,
+            "prompts": prompt_ids, "prompt_lens": [len(p) for p in prompts], "max_new_tokens": plan.max_new,
+            "policies": plan.specs, "weights": "random (seeded), shape of bench/data/smollm2_135m_config.json",
+            "drafter": "random tiny" if quick else os.path.relpath(DRAFTER_DIR, ROOT),
+            "scorer": "random" if quick else os.path.relpath(SCORER_DIR, ROOT),
+            "taps_backend_env": os.environ.get("TAPS_BACKEND"),
+            "note": "tau ~ 1 on random weights; the decode part checks the kernel path, exactness "
+                    "and stage times, not acceptance"}
+    record = {"meta": meta, "skipped": []}
     try:
         import triton
-        record["meta"]["triton"] = triton.__version__
+        meta["triton"] = triton.__version__
     except ImportError:
-        record["meta"]["triton"] = None
+        meta["triton"] = None
     record["backends"] = {op: {"backend": e["backend"], "why": e["why"], "unavailable": e["unavailable"]}
                           for op, e in backend.explain_dict(device=device).items()}
     cuda_ext = backend.load_extension("_C_cuda")[1] if device.type == "cuda" else "not a CUDA device"
-    record["meta"]["cuda_extension"] = "loaded" if not cuda_ext else cuda_ext
+    meta["cuda_extension"] = "loaded" if not cuda_ext else cuda_ext
     print("# default backends: " + ", ".join(f"{op}={e['backend']}" for op, e in record["backends"].items()))
     if device.type == "cuda" and cuda_ext:
         print(f"# CUDA extension missing ({cuda_ext}): its ops run their fallback (see the backends column)")
+    return record
 
+
+def build_models(args, plan: Plan, cfg):
+    """``(targets, drafters, scorer weights, top_k)``: one target of config ``cfg`` and one drafter per dtype
+    of the run (the same seeded weights, rounded per dtype) and the scorer."""
     t = time.perf_counter()
     base = build_target(cfg, args.seed)
     targets, drafters = {}, {}
-    for dt in dict.fromkeys(d for d in (dtype, check_dtype) if d is not None):  # same weights, rounded per dtype
-        targets[dt] = copy.deepcopy(base).to(device=device, dtype=dt)
-        drafters[dt] = build_drafter(quick, targets[dt], args.seed)
+    for dt in dict.fromkeys(d for d in (plan.dtype, plan.check_dtype) if d is not None):
+        targets[dt] = copy.deepcopy(base).to(device=plan.device, dtype=dt)
+        drafters[dt] = build_drafter(plan.quick, targets[dt], args.seed)
     del base
-    weights, top_k = scorer_weights(quick, targets[dtype], drafters[dtype], args.seed)
-    layer_ids = list(drafters[dtype].config.target_layer_ids)
+    weights, top_k = scorer_weights(plan.quick, targets[plan.dtype], drafters[plan.dtype], args.seed)
     print(f"# models built in {time.perf_counter() - t:.1f} s")
+    return targets, drafters, weights, top_k
 
-    # 1. verify-latency table
+
+def verify_latency_stage(args, plan: Plan, target, layer_ids, errors: dict):
+    """Step 1: the verify-latency table's points (``[]`` when it failed: the error goes to ``errors``) and
+    its record."""
     t = time.perf_counter()
-    errors = {}
     try:
-        table = verify_table(targets[dtype], layer_ids, nodes, batches, prefix, iters, device, args.seed)
+        table = verify_table(target, layer_ids, plan.nodes, plan.batches, plan.prefix, plan.iters, plan.device,
+                             args.seed)
     except Exception as exc:  # report it; the decode runs still say whether the loop works
         table, errors["verify_latency"] = [], f"{type(exc).__name__}: {exc}"
         print(f"# verify-latency table failed: {errors['verify_latency']}")
-    record["verify_latency"] = {"prefix": prefix, "iters": iters, "dtype": str(dtype), "hidden_states": True,
-                                "timer": "CUDA events" if device.type == "cuda" else "perf_counter",
-                                "points": table}
+    rec = {"prefix": plan.prefix, "iters": plan.iters, "dtype": str(plan.dtype), "hidden_states": True,
+           "timer": "CUDA events" if plan.device.type == "cuda" else "perf_counter", "points": table}
     print(f"# verify-latency table: {len(table)} points in {time.perf_counter() - t:.1f} s")
+    return table, rec
 
-    # 2. TAPS latency table (the `taps calibrate` procedure, on this machine)
+
+def taps_latency_stage(args, plan: Plan, target, drafter, batch: int, errors: dict, record: dict):
+    """Step 2: the TAPS latency table measured here (the ``taps calibrate`` procedure), recorded as
+    ``record["taps_latency_table"]``; None when it failed (the error goes to ``errors``)."""
     from taps.decode.latency import measure_latency
 
-    cap = args.taps_table_max or (8 if quick else max([64] + [int(s.split(":")[1]) for s in specs
-                                                            if s.startswith("taps") and ":" in s]))
+    specs = plan.specs
+    cap = args.taps_table_max or (8 if plan.quick else max([64] + [int(s.split(":")[1]) for s in specs
+                                                                 if s.startswith("taps") and ":" in s]))
     grid = sorted(n for n in {0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, cap} | set(range(0, cap + 1, 32))
                   if n <= cap)  # coarser than default_grid: interpolated in between, as the table always is
     t = time.perf_counter()
     try:
-        latency = measure_latency(targets[dtype], n_max=cap, drafter=drafters[dtype], repeats=3, grid=grid,
+        latency = measure_latency(target, n_max=cap, drafter=drafter, repeats=3, grid=grid,
                                   batch_sizes=[batch] if batch > 1 else None)
         record["taps_latency_table"] = {k: latency.get(k) for k in ("latency", "batch_latency", "t0", "t0_parts",
                                                                     "prefix_len", "machine", "model")}
@@ -560,20 +591,31 @@ def main(args) -> int:
     except Exception as exc:
         latency, errors["taps_latency_table"] = None, f"{type(exc).__name__}: {exc}"
         print(f"# TAPS latency table failed: {errors['taps_latency_table']}")
-    runner = Runner(device, weights, top_k, latency)
+    return latency
 
-    # 3-4. decode runs; phases in priority order, each skipped as a whole per policy once the budget is spent
+
+def decode_phases(plan: Plan, batch: int):
+    """``(phase, dtype, batch, count reads)`` in priority order."""
+    dtype, check_dtype = plan.dtype, plan.check_dtype
+    return [("warmup", dtype, 1, False), ("timed_b1", dtype, 1, False), ("exact_batched", check_dtype, batch, True),
+            ("exact_b1", check_dtype, 1, False), ("timed_batched", dtype, batch, False)]
+
+
+def decode_runs(args, plan: Plan, runner: Runner, models, prompts, phases, latency, errors: dict, skipped: list,
+                t_start: float) -> dict:
+    """Steps 3-4: ``{phase: {policy: run}}``. Each phase is skipped as a whole per policy once the budget is
+    spent (noted in ``skipped``); a failing policy is noted in ``errors`` and not run again."""
+    targets, drafters = models
+    batch, max_new = len(prompts), plan.max_new
     runs = {}
-    phases = [("warmup", dtype, 1, False), ("timed_b1", dtype, 1, False), ("exact_batched", check_dtype, batch, True),
-              ("exact_b1", check_dtype, 1, False), ("timed_batched", dtype, batch, False)]
     for phase, dt, B, count in phases:
         if dt is None:  # exactness in the timing dtype: the timed runs are compared instead
             continue
-        for spec in specs:
+        for spec in plan.specs:
             if spec in errors or spec.startswith("taps") and latency is None:
                 continue
-            if left() < 0:
-                record["skipped"].append(f"{phase}/{spec}: time budget ({args.budget_s:.0f} s) spent")
+            if args.budget_s - (time.perf_counter() - t_start) < 0:
+                skipped.append(f"{phase}/{spec}: time budget ({args.budget_s:.0f} s) spent")
                 continue
             ps, mn = (prompts[:1], min(8, max_new)) if phase == "warmup" else (prompts, max_new)
             try:
@@ -587,10 +629,12 @@ def main(args) -> int:
                 errors[spec] = f"{phase}: {type(exc).__name__}: {exc}"
                 print(f"# {spec} failed in {phase}: {errors[spec]}")
         print(f"# phase {phase} done at {time.perf_counter() - t_start:.0f} s")
-    record["errors"] = errors
+    return runs
 
-    # exactness: every policy's tokens vs ar's, per run; where they differ, the target's own logit gap there
-    phase_dtype = {phase: dt for phase, dt, _, _ in phases}
+
+def mark_exactness(runs: dict, phase_dtype: dict, targets: dict, prompts) -> None:
+    """Sets ``identical_to_ar`` on every run and, where it differs, ``divergences``: the first differing
+    token per prompt and the target's own logit gap there."""
     for phase, rs in runs.items():
         ar = rs.get("ar")
         for spec, r in rs.items():
@@ -609,13 +653,17 @@ def main(args) -> int:
                             d["gap_error"] = f"{type(exc).__name__}: {exc}"
                         divs.append(d)
                 r["divergences"] = divs
-    # verdicts
-    exact_phases = [p for p in ("exact_batched", "exact_b1") if p in runs] if check_dtype else \
+
+
+def verdicts(plan: Plan, runs: dict, errors: dict):
+    """``(ok, rows)``: one summary row per policy, and whether every policy ran, matched ``ar`` and (on CUDA,
+    with no op on a reference) read the host once per round."""
+    exact_phases = [p for p in ("exact_batched", "exact_b1") if p in runs] if plan.check_dtype else \
         [p for p in ("timed_b1", "timed_batched") if p in runs]
     counted = runs.get("exact_batched") or runs.get("timed_batched") or {}
     ok = not errors
     rows = []
-    for spec in specs:
+    for spec in plan.specs:
         b1 = runs.get("timed_b1", {}).get(spec)
         bb = runs.get("timed_batched", {}).get(spec)
         cnt = counted.get(spec, {})
@@ -626,7 +674,7 @@ def main(args) -> int:
         ref_ops = sorted({b.split(":")[0] for r in (b1, bb, cnt) if r for b in r["backends"] if b.endswith(":reference")})
         full = bool(b1 or cnt) and not ref_ops
         # one read per round is the kernel path's promise: judged on CUDA when no op fell back to a reference
-        if spec in errors or not lossless or (device.type == "cuda" and full and one_read is False):
+        if spec in errors or not lossless or (plan.device.type == "cuda" and full and one_read is False):
             ok = False
         rows.append({"policy": spec, "ran": bool(b1 or cnt), "lossless": lossless, "exact_runs": len(exact),
                      "b1": b1, "bb": bb, "reads": reads, "syncs": cnt.get("cuda_syncs_per_round"),
@@ -634,53 +682,94 @@ def main(args) -> int:
                      "timing_dtype_identical": (b1 or {}).get("identical_to_ar"),
                      "tokens_per_s_b1": (b1 or {}).get("tokens_per_s_wall"),
                      "tokens_per_s_batched": (bb or {}).get("tokens_per_s_wall")})
+    return ok, rows
 
-    # 5. projection
-    taus = cpu_tau(args.tau_json, specs)
+
+def projection(args, plan: Plan, runs: dict, table) -> List[dict]:
+    """Step 5: per policy with a CPU tau and a timed batch-1 run, the projected tokens/s per batch size."""
+    taus = cpu_tau(args.tau_json, plan.specs)
     proj = []
-    for spec in specs:
+    for spec in plan.specs:
         tau = taus.get(spec)
         b1 = runs.get("timed_b1", {}).get(spec)
         if tau is None or b1 is None or "stage_ms_per_round" not in b1 or not table:
             continue
         row = {"policy": spec, "tau_cpu": tau["tau"], "nodes_cpu": tau["nodes_per_round"],
                "drafted_frac_cpu": tau["drafted_frac"], "tau_source": tau["source"], "tau_prompts": tau["prompts"]}
-        for B in batches:
+        for B in plan.batches:
             stages = b1 if B == 1 else (runs.get("timed_batched", {}).get(spec) or b1)
             tv, extrapolated = interp_ms(table, B, tau["nodes_per_round"])
             t_round = tv + tau["drafted_frac"] * stages["build_ms_per_drafted_round"] + stages["fixed_ms_per_round"]
             row[f"B{B}"] = {"verify_ms": tv, "round_ms": t_round, "tokens_per_s": B * tau["tau"] / t_round * 1e3,
                             "stages_from_batch": stages["batch"], "verify_extrapolated": extrapolated}
         proj.append(row)
-    record["projection"] = {"label": "PROJECTION, not a measurement: tokens/s = B * tau_cpu / (T_verify(B, nodes_cpu) + "
-                                     "drafted_frac_cpu * t_build + t_fixed); tau, nodes and drafted fraction from the "
-                                     "CPU benchmark with the real SmolLM2 (HumanEval), times measured here on random "
-                                     "weights; TAPS's CPU tree sizes follow the CPU latency table",
-                            "rows": proj}
-    record["runs"] = runs
-    record["summary"] = [{k: v for k, v in r.items() if k not in ("b1", "bb")} for r in rows]
-    record["ok"] = ok
+    return proj
+
+
+PROJECTION_LABEL = ("PROJECTION, not a measurement: tokens/s = B * tau_cpu / (T_verify(B, nodes_cpu) + "
+                    "drafted_frac_cpu * t_build + t_fixed); tau, nodes and drafted fraction from the "
+                    "CPU benchmark with the real SmolLM2 (HumanEval), times measured here on random "
+                    "weights; TAPS's CPU tree sizes follow the CPU latency table")
+
+
+def one_line(plan: Plan, ok: bool, rows, errors: dict, skipped: list) -> str:
+    """The run's verdict in one line."""
     ran = [r for r in rows if r["ran"]]
     reads_all = [x for r in rows for x in (r["reads"] or [])]
-    record["one_line"] = (
+    return (
         f"{'ok' if ok else 'FAILED'}: {sum(r['lossless'] for r in rows)}/{len(rows)} policies identical to ar "
-        f"({str(check_dtype or dtype).replace('torch.', '')}"
+        f"({_dtype_name(plan.check_dtype or plan.dtype)}"
         + (f"; {sum(not r['exact_runs'] for r in rows)} not compared" if any(not r["exact_runs"] for r in rows) else "")
         + "), host reads/round "
         f"{min(reads_all) if reads_all else '-'}..{max(reads_all) if reads_all else '-'}, kernel path "
         f"{'not run' if not ran else 'full' if all(r['kernel_path_full'] for r in ran) else 'partial'}"
         + (f", errors: {', '.join(errors)}" if errors else "")
-        + (f", {len(record['skipped'])} runs skipped (budget)" if record["skipped"] else ""))
-    record["seconds"] = time.perf_counter() - t_start
+        + (f", {len(skipped)} runs skipped (budget)" if skipped else ""))
 
-    print_report(record, rows, table, batches, nodes, proj, device, dtype, check_dtype, batch)
-    path = os.path.join(out_dir, f"decode_gpu_{device_tag(device)}{'_quick' if quick else ''}.json")
+
+def write_record(plan: Plan, record: dict) -> None:
+    """Writes ``decode_gpu_<device>[_quick].json`` into the output folder and prints the verdict."""
+    path = os.path.join(plan.out_dir, f"decode_gpu_{device_tag(plan.device)}{'_quick' if plan.quick else ''}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1, default=str)
     shown = os.path.relpath(path, ROOT) if os.path.abspath(path).startswith(ROOT + os.sep) else path
     print(f"# {record['one_line']}")
     print(f"# wrote {shown}; "
-          f"{'OK' if ok else 'FAILED'} in {record['seconds']:.0f} s")
+          f"{'OK' if record['ok'] else 'FAILED'} in {record['seconds']:.0f} s")
+
+
+def main(args) -> int:
+    if args.write_prompts:
+        write_prompts(args.write_prompts)
+        return 0
+    t_start = time.perf_counter()
+    plan = make_plan(args)
+    prompt_ids, prompts = load_prompts(plan.n_prompts)
+    batch = len(prompts)
+    cfg = target_config(plan.quick)
+    record = start_record(args, plan, prompt_ids, prompts)
+    targets, drafters, weights, top_k = build_models(args, plan, cfg)
+    target, drafter = targets[plan.dtype], drafters[plan.dtype]
+    errors = {}
+    table, record["verify_latency"] = verify_latency_stage(args, plan, target, list(drafter.config.target_layer_ids),
+                                                           errors)
+    latency = taps_latency_stage(args, plan, target, drafter, batch, errors, record)
+    runner = Runner(plan.device, weights, top_k, latency)
+    phases = decode_phases(plan, batch)
+    runs = decode_runs(args, plan, runner, (targets, drafters), prompts, phases, latency, errors, record["skipped"],
+                       t_start)
+    record["errors"] = errors
+    mark_exactness(runs, {phase: dt for phase, dt, _, _ in phases}, targets, prompts)
+    ok, rows = verdicts(plan, runs, errors)
+    proj = projection(args, plan, runs, table)
+    record["projection"] = {"label": PROJECTION_LABEL, "rows": proj}
+    record["runs"] = runs
+    record["summary"] = [{k: v for k, v in r.items() if k not in ("b1", "bb")} for r in rows]
+    record["ok"] = ok
+    record["one_line"] = one_line(plan, ok, rows, errors, record["skipped"])
+    record["seconds"] = time.perf_counter() - t_start
+    print_report(record, rows, table, plan.batches, plan.nodes, proj, plan.device, plan.dtype, plan.check_dtype, batch)
+    write_record(plan, record)
     return 0 if ok else 1
 
 

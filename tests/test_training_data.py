@@ -101,9 +101,8 @@ def test_make_batch_aligns_topk_with_labels_and_kl_term():
             return torch.randn(*block_ids.shape, 64)
 
     w = torch.ones(S - 1)
-    base, st0 = block_loss(Drafter(), Head(), None, feats, blocks, anchors, labels, w, False)
-    tot, st1 = block_loss(Drafter(), Head(), None, feats, blocks, anchors, labels, w, False,
-                          soft_ids=sid, soft_logp=slp, kl_weight=0.5)
+    base, st0 = block_loss(Drafter(), Head(), None, (feats, blocks, anchors, labels), w, False)
+    tot, st1 = block_loss(Drafter(), Head(), None, out, w, False, kl_weight=0.5)
     h = Drafter().forward_blocks(None, blocks, None, None)[:, :, 1:][valid]
     ls = torch.log_softmax(h, -1).gather(1, sid[valid])
     q = torch.softmax(slp[valid], -1)

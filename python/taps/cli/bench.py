@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -283,15 +284,29 @@ def _summarize(results):
     return summary
 
 
-def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed, warmup, log, on_partial=None,
-               hf_baseline=False, on_record=None, args=None, hf_prompt_lookup=None):
-    """Run ``items`` x ``specs``; after every prompt (all policies) ``on_partial(summary, prompts_done)`` is
-    called, so a run cut short still leaves a valid JSON of the prompts completed. ``hf_baseline``: also
-    time HF ``generate`` on every prompt (policy ``"hf"``); ``hf_prompt_lookup``: also time HF prompt-lookup
-    decoding (policy ``"hf-pld:N"``); ``on_record(record)`` sees every record;
-    ``args`` carries the policies' options (``--scorer``, ``--pool-size``)."""
+@dataclass
+class BlockPlan:
+    """What one batch-1 block runs: the policy ``specs``, the ``sampling``, ``max_new_tokens`` per turn, the
+    ``seed``, ``warmup`` untimed runs before the first prompt, and the HF rows: ``hf_baseline`` times HF
+    ``generate`` on every prompt (policy ``"hf"``), ``hf_prompt_lookup`` HF prompt-lookup decoding (policy
+    ``"hf-pld:N"``)."""
+
+    specs: List[str]
+    sampling: object
+    max_new_tokens: int
+    seed: int
+    warmup: int
+    hf_baseline: bool = False
+    hf_prompt_lookup: Optional[int] = None
+
+
+def _run_block(model, tok, drafter, items, plan: BlockPlan, log, on_partial=None, on_record=None, args=None):
+    """Run ``items`` x ``plan.specs``; after every prompt (all policies) ``on_partial(summary, prompts_done)`` is
+    called, so a run cut short still leaves a valid JSON of the prompts completed. ``on_record(record)`` sees
+    every record; ``args`` carries the policies' options (``--scorer``, ``--pool-size``)."""
+    specs, hf_baseline, hf_prompt_lookup = plan.specs, plan.hf_baseline, plan.hf_prompt_lookup
     hf = hf_rows(hf_baseline, hf_prompt_lookup)
-    decoders = build_decoders(model, tok, drafter, specs, sampling, args)
+    decoders = build_decoders(model, tok, drafter, specs, plan.sampling, args)
     partial = {s: [] for s in specs + list(hf)}
 
     def show(rec):
@@ -314,8 +329,8 @@ def _run_block(model, tok, drafter, specs, items, sampling, max_new_tokens, seed
     for i, item in enumerate(items):
         k = i % max(len(others), 1)
         order = (["ar"] if "ar" in decoders else []) + others[k:] + others[:k]
-        res = run_suite(model, tok, {s: decoders[s] for s in order}, [item], max_new_tokens, seed=seed,
-                        warmup=warmup if i == 0 else 0, hf_baseline=hf_baseline, on_record=show,
+        res = run_suite(model, tok, {s: decoders[s] for s in order}, [item], plan.max_new_tokens, seed=plan.seed,
+                        warmup=plan.warmup if i == 0 else 0, hf_baseline=hf_baseline, on_record=show,
                         hf_prompt_lookup=hf_prompt_lookup)
         for s, recs in res.items():
             results[s] += recs
@@ -519,9 +534,10 @@ class _Bench:
             self._save()
 
         try:
-            summ = _run_block(self.model, self.tok, self.drafter, run_specs, items, run_sampling, args.max_new_tokens,
-                              args.seed, warmup, bar.write, on_partial=partial, hf_baseline=hf, on_record=on_record,
-                              args=args, hf_prompt_lookup=pld)
+            plan = BlockPlan(run_specs, run_sampling, args.max_new_tokens, args.seed, warmup, hf_baseline=hf,
+                             hf_prompt_lookup=pld)
+            summ = _run_block(self.model, self.tok, self.drafter, items, plan, bar.write, on_partial=partial,
+                              on_record=on_record, args=args)
         finally:
             bar.close()
         run.update(prompts=len(items), policies=summ, best_ddtree=_best_ddtree(summ), partial=False)

@@ -112,7 +112,7 @@ def _cmd_train(args):
     from taps.scoring.io import save_scorer
     from taps.scoring.model import count_parameters
     from taps.paths import portable_path
-    from taps.scoring.train import InitShapeError, target_embeddings, train_scorer
+    from taps.scoring.train import InitShapeError, ScorerTrainOptions, target_embeddings, train_scorer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -137,9 +137,9 @@ def _cmd_train(args):
             except (FileNotFoundError, OSError, ValueError, KeyError) as e:
                 raise CLIError(f"--{'tiny-' if tiny else ''}init-from {init_dir}: {e}") from None
         try:
-            model, hist = train_scorer(train, val, emb, tiny=tiny, epochs=args.epochs, batch=args.batch, lr=args.lr,
-                                       target=args.target_dist, seed=args.seed, top_k=int(m0.get("top_k", 64)),
-                                       init=init)
+            opts = ScorerTrainOptions(tiny=tiny, epochs=args.epochs, batch=args.batch, lr=args.lr,
+                                      target=args.target_dist, seed=args.seed, top_k=int(m0.get("top_k", 64)))
+            model, hist = train_scorer(train, val, emb, opts, init=init)
         except InitShapeError as e:
             raise CLIError(f"--{'tiny-' if tiny else ''}init-from {init_dir}: {e}") from None
         ev = evaluate_scorer(val, model.to_weights(), emb)

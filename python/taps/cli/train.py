@@ -71,19 +71,28 @@ def _cmd_draft_vocab(args):
 def _cmd_eval(args):
     import torch
 
-    from taps.training.evaluate import eval_drafter
+    from taps.training.evaluate import EvalOptions, eval_drafter
 
-    res = eval_drafter(args.drafter, args.data, target=args.target, shards=_int_list(args.shards),
-                       max_seqs=args.max_seqs, anchors_per_seq=args.anchors_per_seq, seed=args.seed,
-                       out_json=args.out_json, threads=args.threads, use_draft_vocab=args.draft_vocab,
-                       dtype=getattr(torch, args.dtype), block_positions=args.block_positions,
-                       short_blocks=args.short_blocks,
+    opts = EvalOptions(target=args.target, shards=_int_list(args.shards), max_seqs=args.max_seqs,
+                       anchors_per_seq=args.anchors_per_seq, seed=args.seed, out_json=args.out_json,
+                       threads=args.threads, use_draft_vocab=args.draft_vocab, dtype=getattr(torch, args.dtype),
+                       block_positions=args.block_positions, short_blocks=args.short_blocks,
                        head_dtype=None if args.head_dtype == "lm_head" else getattr(torch, args.head_dtype))
+    res = eval_drafter(args.drafter, args.data, opts)
     print(json.dumps(res, indent=1))
     return 0
 
 
 def add_subcommands(subparsers):
+    _add_build_data(subparsers)
+    _add_train_drafter(subparsers)
+    _add_draft_vocab(subparsers)
+    _add_eval_drafter(subparsers)
+    return subparsers
+
+
+def _add_build_data(subparsers):
+    """The ``build-data`` subcommand and its flags."""
     p = subparsers.add_parser("build-data", help="target regenerates responses to local prompts (+ hidden features)")
     p.add_argument("--out", required=True, help="data directory (shards, resumable)")
     p.add_argument("--target", default="smollm2")
@@ -110,6 +119,9 @@ def add_subcommands(subparsers):
                         "(auto picks it on CPUs with AVX-512 VNNI); fp32: transformers' dequantised modules")
     p.set_defaults(func=_cmd_build_data)
 
+
+def _add_train_drafter(subparsers):
+    """The ``train-drafter`` subcommand and its flags."""
     p = subparsers.add_parser("train-drafter", help="train a DFlash drafter on build-data shards")
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True, help="work dir (checkpoints, log)")
@@ -149,6 +161,9 @@ def add_subcommands(subparsers):
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at this x lr")
     p.set_defaults(func=_cmd_train)
 
+
+def _add_draft_vocab(subparsers):
+    """The ``draft-vocab`` subcommand and its flags."""
     p = subparsers.add_parser("draft-vocab", help="store a reduced draft vocabulary (most frequent response "
                                                   "tokens of the data) beside a drafter")
     p.add_argument("--drafter", required=True, help="drafter dir: draft_vocab.safetensors + config are written there")
@@ -163,6 +178,9 @@ def add_subcommands(subparsers):
     p.add_argument("--out-json", default=None)
     p.set_defaults(func=_cmd_draft_vocab)
 
+
+def _add_eval_drafter(subparsers):
+    """The ``eval-drafter`` subcommand and its flags."""
     p = subparsers.add_parser("eval-drafter", help="per-position agreement and tau on held-out generated text")
     p.add_argument("--drafter", required=True, help="drafter dir (config.json + model.safetensors)")
     p.add_argument("--data", required=True)
@@ -184,7 +202,6 @@ def add_subcommands(subparsers):
     p.add_argument("--short-blocks", action="store_true",
                    help="with --block-positions P: run the block [bonus, MASK x P] instead of the trained block")
     p.set_defaults(func=_cmd_eval)
-    return subparsers
 
 
 def main(argv=None):

@@ -169,92 +169,126 @@ class LlamaGenerator:
             raise ValueError(f"max_new_tokens: expected >= 1, received {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, received {temperature}")
+        st = self._prefill(prompts, max_new_tokens, eos_id, capture, topk)
+        stops = torch.tensor([int(eos_id)] + [int(s) for s in stop_ids], device=self.device)
+        for step in range(max_new_tokens):
+            nxt = self._next_tokens(st, topk, temperature, generator)
+            st.done = st.done | torch.isin(nxt, stops)
+            last = step == max_new_tokens - 1
+            if last or bool(st.done.all()):
+                self._finish(st, ~torch.zeros_like(st.done) if last else st.done)
+                break
+            if int(st.done.sum()) >= max(1, int(compact_frac * len(st.rows))):
+                nxt = self._compact(st, nxt)
+            self._decode_step(st, nxt)
+        return st.results  # type: ignore[return-value]
+
+    def _prefill(self, prompts, max_new_tokens: int, eos_id: int, capture: bool, topk: int) -> "_Batch":
+        """The batch's caches, left padded, after the prompts' forward (causal over valid slots; a padding
+        query sees itself, so no row is all -inf)."""
         dev = self.device
         B = len(prompts)
         P = max(len(p) for p in prompts)
         Tm = P + max_new_tokens
-        H = self.cfg.hidden_size
-        nf = len(self.layer_ids) * H if capture else 0
+        nf = len(self.layer_ids) * self.cfg.hidden_size if capture else 0
         ids = torch.full((B, P), int(eos_id), dtype=torch.long)
         start = torch.empty(B, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
             start[b] = P - len(p)
         ids, start = ids.to(dev), start.to(dev)
-        kc = [torch.zeros(B, self.nkv, Tm, self.hd, device=dev) for _ in self.layers]
-        vc = [torch.zeros(B, self.nkv, Tm, self.hd, device=dev) for _ in self.layers]
-        feats = torch.zeros(B, Tm, nf, dtype=torch.float16, device=dev) if nf else None
-        slots = torch.arange(Tm, device=dev)
-        # prefill: causal over valid slots; a padding query sees itself (no all -inf row)
+        st = _Batch(prompts=prompts, nf=nf, slots=torch.arange(Tm, device=dev), t=P, start=start,
+                    kc=[torch.zeros(B, self.nkv, Tm, self.hd, device=dev) for _ in self.layers],
+                    vc=[torch.zeros(B, self.nkv, Tm, self.hd, device=dev) for _ in self.layers],
+                    feats=torch.zeros(B, Tm, nf, dtype=torch.float16, device=dev) if nf else None,
+                    rows=torch.arange(B, device=dev), done=torch.zeros(B, dtype=torch.bool, device=dev),
+                    out_tok=[[] for _ in range(B)], out_ids=[[] for _ in range(B)] if topk else None,
+                    out_lp=[[] for _ in range(B)] if topk else None, results=[None] * B)
+        slots = st.slots
         pos = (slots[None, :P] - start[:, None]).clamp(min=0)
         valid = slots[None, :P] >= start[:, None]  # [B,P]
         causal = slots[:P, None] >= slots[None, :P]
         ok = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
-        hid = self._forward(self.embed[ids].float(), pos, 0, kc, vc, ok[:, None], feats)[:, -1]
+        st.hid = self._forward(self.embed[ids].float(), pos, 0, st.kc, st.vc, ok[:, None], st.feats)[:, -1]
+        return st
 
-        rows = torch.arange(B, device=dev)  # original index of each live row
-        out_tok = [[] for _ in range(B)]
-        out_ids = [[] for _ in range(B)] if topk else None
-        out_lp = [[] for _ in range(B)] if topk else None
-        results: List[Optional[GenResult]] = [None] * B
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        stops = torch.tensor([int(eos_id)] + [int(s) for s in stop_ids], device=dev)
-        t = P  # next slot
-
-        def finish(mask):
-            nonlocal kc, vc, feats, rows, start, done
-            for i in mask.nonzero().flatten().tolist():
-                b = int(rows[i])
-                toks = list(prompts[b]) + out_tok[b]
-                f = None
-                if feats is not None:
-                    f = torch.zeros(len(toks), nf, dtype=torch.float16)
-                    n = len(toks) - 1  # the last token is never fed
-                    s0 = int(start[i])
-                    f[:n] = feats[i, s0:s0 + n].cpu()
-                r = GenResult(toks, len(prompts[b]), f)
+    def _next_tokens(self, st: "_Batch", topk: int, temperature: float, generator) -> torch.Tensor:
+        """Each live row's next token ``[b]``, appended (with its top-k) to the rows not yet done."""
+        logits = F.linear(st.hid.to(self.head.dtype), self.head).float()  # [b,V]
+        if topk:
+            lp = torch.log_softmax(logits, -1)
+            tv, ti = lp.topk(topk, -1)
+            tv, ti = tv.cpu(), ti.cpu()
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        nl = nxt.tolist()
+        for i, b in enumerate(st.rows.tolist()):
+            if not bool(st.done[i]):
+                st.out_tok[b].append(nl[i])
                 if topk:
-                    r.topk_ids = torch.stack(out_ids[b]).long()
-                    r.topk_logp = torch.stack(out_lp[b]).float()
-                results[b] = r
+                    st.out_ids[b].append(ti[i].to(torch.int32))
+                    st.out_lp[b].append(tv[i])
+        return nxt
 
-        for step in range(max_new_tokens):
-            logits = F.linear(hid.to(self.head.dtype), self.head).float()  # [b,V]
-            if topk:
-                lp = torch.log_softmax(logits, -1)
-                tv, ti = lp.topk(topk, -1)
-                tv, ti = tv.cpu(), ti.cpu()
-            if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-            else:
-                nxt = logits.argmax(-1)
-            nl = nxt.tolist()
-            for i, b in enumerate(rows.tolist()):
-                if not bool(done[i]):
-                    out_tok[b].append(nl[i])
-                    if topk:
-                        out_ids[b].append(ti[i].to(torch.int32))
-                        out_lp[b].append(tv[i])
-            done = done | torch.isin(nxt, stops)
-            if step == max_new_tokens - 1 or bool(done.all()):
-                finish(~torch.zeros_like(done) if step == max_new_tokens - 1 else done)
-                if step == max_new_tokens - 1:
-                    break
-                if bool(done.all()):
-                    break
-            if int(done.sum()) >= max(1, int(compact_frac * len(rows))):
-                finish(done)
-                keep = (~done).nonzero().flatten()
-                kc = [k.index_select(0, keep) for k in kc]
-                vc = [v.index_select(0, keep) for v in vc]
-                if feats is not None:
-                    feats = feats.index_select(0, keep)
-                rows, start, nxt = rows[keep], start[keep], nxt[keep]
-                done = done[keep]
-            # decode one token per live row at slot t
-            x = self.embed[nxt][:, None].float()
-            pos = (t - start)[:, None]
-            ok = (slots[None, :t + 1] >= start[:, None])[:, None, None]  # [b,1,1,t+1]
-            hid = self._forward(x, pos, t, kc, vc, ok, feats)[:, -1]
-            t += 1
-        return results  # type: ignore[return-value]
+    def _finish(self, st: "_Batch", mask: torch.Tensor) -> None:
+        """The :class:`GenResult` of every live row where ``mask`` is set."""
+        prompts, nf = st.prompts, st.nf
+        for i in mask.nonzero().flatten().tolist():
+            b = int(st.rows[i])
+            toks = list(prompts[b]) + st.out_tok[b]
+            f = None
+            if st.feats is not None:
+                f = torch.zeros(len(toks), nf, dtype=torch.float16)
+                n = len(toks) - 1  # the last token is never fed
+                s0 = int(st.start[i])
+                f[:n] = st.feats[i, s0:s0 + n].cpu()
+            r = GenResult(toks, len(prompts[b]), f)
+            if st.out_ids is not None:
+                r.topk_ids = torch.stack(st.out_ids[b]).long()
+                r.topk_logp = torch.stack(st.out_lp[b]).float()
+            st.results[b] = r
+
+    def _compact(self, st: "_Batch", nxt: torch.Tensor) -> torch.Tensor:
+        """Finishes the done rows and keeps only the live ones in the caches; returns their next tokens."""
+        self._finish(st, st.done)
+        keep = (~st.done).nonzero().flatten()
+        st.kc = [k.index_select(0, keep) for k in st.kc]
+        st.vc = [v.index_select(0, keep) for v in st.vc]
+        if st.feats is not None:
+            st.feats = st.feats.index_select(0, keep)
+        st.rows, st.start = st.rows[keep], st.start[keep]
+        st.done = st.done[keep]
+        return nxt[keep]
+
+    def _decode_step(self, st: "_Batch", nxt: torch.Tensor) -> None:
+        """Feeds one token per live row at slot ``st.t``."""
+        t = st.t
+        x = self.embed[nxt][:, None].float()
+        pos = (t - st.start)[:, None]
+        ok = (st.slots[None, :t + 1] >= st.start[:, None])[:, None, None]  # [b,1,1,t+1]
+        st.hid = self._forward(x, pos, t, st.kc, st.vc, ok, st.feats)[:, -1]
+        st.t += 1
+
+
+@dataclass
+class _Batch:
+    """The state of one :meth:`LlamaGenerator.generate` call. ``rows``: original index of each live row;
+    ``start``: its first slot; ``t``: the next slot; ``hid``: the last fed token's final hidden ``[b,H]``."""
+
+    prompts: Sequence[Sequence[int]]
+    nf: int  # feature width (0: no capture)
+    slots: torch.Tensor
+    t: int
+    start: torch.Tensor
+    kc: List[torch.Tensor]
+    vc: List[torch.Tensor]
+    feats: Optional[torch.Tensor]
+    rows: torch.Tensor
+    done: torch.Tensor
+    out_tok: List[List[int]]
+    out_ids: Optional[List[list]]
+    out_lp: Optional[List[list]]
+    results: List[Optional[GenResult]]
+    hid: Optional[torch.Tensor] = None

@@ -212,6 +212,47 @@ class GGUFGenerator:
         fed).
         """
         prompts = [list(map(int, p)) for p in prompts]
+        capacity = self._check_generate(prompts, max_new_tokens, temperature, topk)
+        capture = bool(capture) and bool(self.layer_ids)
+        nf = len(self.layer_ids) * int(self.cfg.hidden_size) if capture else 0
+        stops = {int(eos_id), *map(int, stop_ids)}
+        R = min(self.batch_size, len(prompts))
+        self._ensure_cache(R, capacity)
+        self.last_stats = {"prefill_calls": 0, "prefill_rows": 0, "prefill_seconds": 0.0, "decode_calls": 0,
+                           "decode_rows": 0, "decode_seconds": 0.0, "pick_seconds": 0.0}
+        results: List[Optional[GenResult]] = [None] * len(prompts)
+        free = list(range(R - 1, -1, -1))  # cache rows, popped from the end (row 0 first)
+        live: dict = {}  # cache row -> _Row
+        queue = list(range(len(prompts)))[::-1]
+        start = self._shared_prefix_len(prompts)
+        self._shared = None
+        while queue or live:
+            if queue and free:  # admit as many prompts as there are free cache rows
+                slots, rows = [], []
+                while queue and free:
+                    b = queue.pop()
+                    feats = torch.zeros(len(prompts[b]) + max_new_tokens, nf, dtype=torch.float16) if nf else None
+                    slots.append(free.pop())
+                    rows.append(_Row(b, prompts[b], feats))
+                    live[slots[-1]] = rows[-1]
+                if start and self._shared is None:
+                    self._prefill_shared(slots[0], prompts[0][:start], capture)
+                logits = self._prefill(slots, rows, start, capture)
+            else:  # freed rows are refilled before the next decode step
+                slots = sorted(live)
+                rows = [live[s] for s in slots]
+                logits = self._decode(slots, rows, capture)
+            self._pick(logits, rows, topk, temperature, generator)
+            for s, r in zip(slots, rows):
+                if r.tokens[-1] in stops or len(r.tokens) >= max_new_tokens:
+                    del live[s]
+                    results[r.index] = _result(r, topk)
+                    free.append(s)
+        return results  # type: ignore[return-value]
+
+    def _check_generate(self, prompts: List[List[int]], max_new_tokens, temperature, topk) -> int:
+        """Refuses bad :meth:`generate` arguments naming the one at fault; returns the cache capacity needed
+        (the longest prompt plus ``max_new_tokens``)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: expected a non-empty list of non-empty token id lists")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -230,77 +271,43 @@ class GGUFGenerator:
         if ctx and capacity > ctx:
             raise ValueError(f"prompts: the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} "
                              f"exceeds the target's context of {ctx} positions")
-        capture = bool(capture) and bool(self.layer_ids)
-        nf = len(self.layer_ids) * int(self.cfg.hidden_size) if capture else 0
-        stops = {int(eos_id), *map(int, stop_ids)}
-        R = min(self.batch_size, len(prompts))
-        self._ensure_cache(R, capacity)
-        self.last_stats = {"prefill_calls": 0, "prefill_rows": 0, "prefill_seconds": 0.0, "decode_calls": 0,
-                           "decode_rows": 0, "decode_seconds": 0.0, "pick_seconds": 0.0}
-        results: List[Optional[GenResult]] = [None] * len(prompts)
-        free = list(range(R - 1, -1, -1))  # cache rows, popped from the end (row 0 first)
-        live: dict = {}  # cache row -> _Row
-        queue = list(range(len(prompts)))[::-1]
-        # the prompts' common prefix (a chat template's system turn; a Magpie header entirely) is prefilled once
-        # (each row keeps at least its last token to prefill, which gives its first logits)
+        return capacity
+
+    def _shared_prefix_len(self, prompts: List[List[int]]) -> int:
+        """Tokens of the prompts' common prefix (a chat template's system turn; a Magpie header entirely) to
+        prefill once; each row keeps at least its last token to prefill, which gives its first logits. 0 when
+        shorter than ``min_shared_prefix`` (or that is 0)."""
         start = min(len(p) for p in prompts) - 1
         for p in prompts[1:]:
             start = next((i for i in range(start) if p[i] != prompts[0][i]), start)
         if not self.min_shared_prefix or start < self.min_shared_prefix:
             start = 0
-        self._shared = None
+        return start
 
-        def pick(logits: torch.Tensor, rows: List[_Row]) -> None:
-            """Choose each row's next token from its logits and record it."""
-            t0 = time.perf_counter()
+    def _pick(self, logits: torch.Tensor, rows: List[_Row], topk: int, temperature: float, generator) -> None:
+        """Choose each row's next token from its logits and record it (with its top-k when ``topk``)."""
+        t0 = time.perf_counter()
+        if topk:
+            tv, ti = torch.log_softmax(logits, -1).topk(topk, -1)
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        for i, (r, t) in enumerate(zip(rows, nxt.tolist())):
+            r.tokens.append(t)
             if topk:
-                tv, ti = torch.log_softmax(logits, -1).topk(topk, -1)
-            if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-            else:
-                nxt = logits.argmax(-1)
-            for i, (r, t) in enumerate(zip(rows, nxt.tolist())):
-                r.tokens.append(t)
-                if topk:
-                    r.topk_ids.append(ti[i])
-                    r.topk_logp.append(tv[i])
-                r.next_token = t
-            self.last_stats["pick_seconds"] += time.perf_counter() - t0
+                r.topk_ids.append(ti[i])
+                r.topk_logp.append(tv[i])
+            r.next_token = t
+        self.last_stats["pick_seconds"] += time.perf_counter() - t0
 
-        def finished(r: _Row) -> bool:
-            return r.tokens[-1] in stops or len(r.tokens) >= max_new_tokens
 
-        def close(slot: int) -> None:
-            r = live.pop(slot)
-            res = GenResult(r.prompt + r.tokens, len(r.prompt))
-            if r.feats is not None:
-                res.feats = r.feats[:len(res.tokens)].clone()  # the last row stays zeros: never fed
-            if topk:
-                res.topk_ids = torch.stack(r.topk_ids).long()
-                res.topk_logp = torch.stack(r.topk_logp).float()
-            results[r.index] = res
-            free.append(slot)
-
-        while queue or live:
-            if queue and free:  # admit as many prompts as there are free cache rows
-                slots, rows = [], []
-                while queue and free:
-                    b = queue.pop()
-                    feats = torch.zeros(len(prompts[b]) + max_new_tokens, nf, dtype=torch.float16) if nf else None
-                    slots.append(free.pop())
-                    rows.append(_Row(b, prompts[b], feats))
-                    live[slots[-1]] = rows[-1]
-                if start and self._shared is None:
-                    self._prefill_shared(slots[0], prompts[0][:start], capture)
-                pick(self._prefill(slots, rows, start, capture), rows)
-                for s, r in zip(slots, rows):
-                    if finished(r):
-                        close(s)
-                continue  # freed rows are refilled before the next decode step
-            slots = sorted(live)
-            rows = [live[s] for s in slots]
-            pick(self._decode(slots, rows, capture), rows)
-            for s, r in zip(slots, rows):
-                if finished(r):
-                    close(s)
-        return results  # type: ignore[return-value]
+def _result(r: _Row, topk: int) -> GenResult:
+    """The :class:`GenResult` of a finished row."""
+    res = GenResult(r.prompt + r.tokens, len(r.prompt))
+    if r.feats is not None:
+        res.feats = r.feats[:len(res.tokens)].clone()  # the last row stays zeros: never fed
+    if topk:
+        res.topk_ids = torch.stack(r.topk_ids).long()
+        res.topk_logp = torch.stack(r.topk_logp).float()
+    return res

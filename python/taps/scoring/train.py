@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 import torch
@@ -134,15 +135,33 @@ class InitShapeError(ValueError):
 DEPTH_TABLE = "depth_embedding.weight"
 
 
+@dataclass
+class ScorerTrainOptions:
+    """Options of :func:`train_scorer`: ``tiny`` (the variant without target inputs), ``epochs``, ``batch``
+    (rounds per step), AdamW's ``lr`` and ``weight_decay``, the ``target`` distribution (``greedy`` or
+    ``soft``, :func:`edge_targets`), ``seed``, the scorer's ``top_k`` and a ``progress`` bar."""
+
+    tiny: bool = False
+    epochs: int = 30
+    batch: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    target: str = "greedy"
+    seed: int = 0
+    top_k: int = 64
+    progress: bool = True
+
+
 def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.Tensor]], emb: Optional[torch.Tensor],
-                 tiny: bool = False, epochs: int = 30, batch: int = 32, lr: float = 3e-3, weight_decay: float = 0.01,
-                 target: str = "greedy", seed: int = 0, top_k: int = 64, progress: bool = True,
-                 log=print, init: Optional[TapsScorer] = None) -> (TapsScorer, dict):
+                 options: Optional[ScorerTrainOptions] = None, *, log=print, init: Optional[TapsScorer] = None,
+                 **overrides) -> (TapsScorer, dict):
     """Train a scorer on trace dicts (:func:`taps.scoring.traces.load_traces`).
 
     Args:
         train, val: trace dicts (``val`` may be None: then the last epoch is kept).
         emb: ``[V, E]`` target input embeddings (full variant; ignored when ``tiny``).
+        options: :class:`ScorerTrainOptions` (default: its defaults), any field overridden by keyword
+            (``train_scorer(train, val, emb, tiny=True, epochs=5)``).
         init: a trained scorer of the same shape to start from (e.g. the one of the previous drafter: a
             new drafter shifts the inputs, so little new data goes a long way from there); a depth embedding
             with more rows (a drafter with a longer block) gives its first ``D + 1`` rows.
@@ -151,53 +170,32 @@ def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.T
     """
     from tqdm import tqdm
 
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    opts = replace(options or ScorerTrainOptions(), **overrides)
+    tiny, target = opts.tiny, opts.target
+    torch.manual_seed(opts.seed)
+    gen = torch.Generator().manual_seed(opts.seed)
     D = int(train["entropy"].shape[1])
     H = int(train["hidden"].shape[2])
     model = TapsScorer(embed_dim=0 if tiny else emb.shape[1], hidden_dim=0 if tiny else H, max_depth=D, tiny=tiny,
-                       top_k=top_k)
+                       top_k=opts.top_k)
     if init is not None:
-        state = dict(init.state_dict())
-        if DEPTH_TABLE in state and DEPTH_TABLE in model.state_dict():
-            # a drafter with a shorter block: depths 0..D mean the same, so the first D + 1 rows carry over
-            have, need = state[DEPTH_TABLE].shape, model.state_dict()[DEPTH_TABLE].shape
-            if have[0] > need[0] and have[1:] == need[1:]:
-                state[DEPTH_TABLE] = state[DEPTH_TABLE][:need[0]]
-        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        got = {k: tuple(v.shape) for k, v in state.items()}
-        if want != got:
-            diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-            raise InitShapeError(f"init: scorer shapes differ from the traces' (tiny={tiny}, hidden {H}, depth {D}); "
-                                 f"first mismatches {[(k, got.get(k), want.get(k)) for k in diff[:3]]} (init, expected)")
-        model.load_state_dict(state)
+        _load_init(model, init, f"tiny={tiny}, hidden {H}, depth {D}")
     emb_used = None if tiny else emb
     tgt_tr = edge_targets(train, target)
     tgt_va = edge_targets(val, target) if val is not None else None
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     R = train["tokens"].shape[0]
-    steps = epochs * math.ceil(R / batch)
+    steps = opts.epochs * math.ceil(R / opts.batch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     hist = {"epochs": [], "best_epoch": None, "target": target, "train_rounds": R,
             "val_rounds": val["tokens"].shape[0] if val is not None else 0}
     best, best_state = float("inf"), None
     t_start = time.time()
-    bar = tqdm(range(epochs), desc="train-scorer" + (" (tiny)" if tiny else ""), unit="epoch", disable=not progress)
+    bar = tqdm(range(opts.epochs), desc="train-scorer" + (" (tiny)" if tiny else ""), unit="epoch",
+               disable=not opts.progress)
     for ep in bar:
         model.train()
-        run = {"kl": 0.0, "bce": 0.0, "loss": 0.0}
-        for rows in _batches(R, batch, gen):
-            pool = pool_from_traces(train, rows)
-            out = model(pool, emb_used, None if tiny else train["hidden"][rows].float())
-            loss, parts = scorer_loss(*out, {k: v[rows] for k, v in tgt_tr.items()})
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            for k in run:
-                run[k] += parts[k] * len(rows)
-        run = {k: v / R for k, v in run.items()}
+        run = _train_epoch(model, opt, sched, train, tgt_tr, emb_used, opts.batch, gen)
         model.eval()
         rec = {"epoch": ep + 1, "train": run, "seconds": round(time.time() - t_start, 1)}
         if val is not None:
@@ -215,3 +213,39 @@ def train_scorer(train: Dict[str, torch.Tensor], val: Optional[Dict[str, torch.T
     model.eval()
     hist["seconds"] = round(time.time() - t_start, 1)
     return model, hist
+
+
+def _load_init(model: TapsScorer, init: TapsScorer, shapes: str) -> None:
+    """Loads ``init``'s weights into ``model`` (a deeper depth table cut to ``model``'s rows); raises
+    :class:`InitShapeError` naming ``shapes`` when any other shape differs."""
+    state = dict(init.state_dict())
+    if DEPTH_TABLE in state and DEPTH_TABLE in model.state_dict():
+        # a drafter with a shorter block: depths 0..D mean the same, so the first D + 1 rows carry over
+        have, need = state[DEPTH_TABLE].shape, model.state_dict()[DEPTH_TABLE].shape
+        if have[0] > need[0] and have[1:] == need[1:]:
+            state[DEPTH_TABLE] = state[DEPTH_TABLE][:need[0]]
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if want != got:
+        diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        raise InitShapeError(f"init: scorer shapes differ from the traces' ({shapes}); "
+                             f"first mismatches {[(k, got.get(k), want.get(k)) for k in diff[:3]]} (init, expected)")
+    model.load_state_dict(state)
+
+
+def _train_epoch(model: TapsScorer, opt, sched, train, tgt, emb, batch: int, gen: torch.Generator) -> Dict[str, float]:
+    """One pass over ``train`` in random batches of ``batch`` rounds; returns the mean loss parts."""
+    R = train["tokens"].shape[0]
+    run = {"kl": 0.0, "bce": 0.0, "loss": 0.0}
+    for rows in _batches(R, batch, gen):
+        pool = pool_from_traces(train, rows)
+        out = model(pool, emb, None if model.tiny else train["hidden"][rows].float())
+        loss, parts = scorer_loss(*out, {k: v[rows] for k, v in tgt.items()})
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        for k in run:
+            run[k] += parts[k] * len(rows)
+    return {k: v / R for k, v in run.items()}

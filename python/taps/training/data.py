@@ -205,11 +205,6 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
     ``magpie.jsonl``, ``prompts.jsonl`` (the prompts of the written shards, indexed by ``prompt_idx``
     as ``code:<i>`` / ``chat:<i>``), ``shard_XXXXX.pt`` and one ``stats.jsonl`` row per shard.
     """
-    import sys
-
-    from taps.data.generation import LlamaGenerator
-    from taps.data.gguf_generation import GGUFGenerator
-    from taps.data.magpie import MagpieWriter
     from taps.training.prompts import EvalFilter
 
     if not isinstance(cfg, BuildDataConfig):
@@ -223,6 +218,48 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
     model, tok = load_target(cfg.target, linear_kernel="torch", target_format=fmt)
     nl = model.config.num_hidden_layers
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else default_target_layer_ids(nl, cfg.num_feature_layers)
+    _check_stored_options(cfg, out, layer_ids, fmt)
+    nshards, n_code, n_chat = shard_plan(cfg)
+    ef = EvalFilter()
+    code, dropped = _code_prompts(cfg, out, nshards * n_code, ef)
+    src = _sources(cfg, out, model, tok, layer_ids, fmt, code, ef)
+    _write_manifest(cfg, out, command, model, src, why, dropped)
+    cpu = cpu_name()
+    for s in range(nshards):
+        sp = out / f"shard_{s:05d}.pt"
+        if s % cfg.num_parts != cfg.part or sp.exists():
+            continue
+        if cfg.deadline is not None and time.time() > cfg.deadline:
+            print("deadline reached, stopping", flush=True)
+            break
+        row = _write_shard(cfg, src, s, sp, cpu)
+        with open(out / "stats.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+        _write_prompt_index(out, code, src.magpie.turns)
+        _update_manifest(out)
+    _write_prompt_index(out, code, src.magpie.turns)
+    _update_manifest(out, magpie=dict(src.magpie.stats, accepted=len(src.magpie.turns)))
+    return out
+
+
+@dataclass
+class _Sources:
+    """What every shard of a ``build-data`` run reads: the generator, the tokenizer, the Magpie writer, the
+    code prompts, the feature layers, the target format and the prompts of each kind per shard."""
+
+    gen: object
+    tok: object
+    magpie: object
+    code: List[dict]
+    layer_ids: List[int]
+    fmt: str
+    n_code: int
+    n_chat: int
+
+
+def _check_stored_options(cfg: BuildDataConfig, out: Path, layer_ids: List[int], fmt: str) -> None:
+    """Refuses to add to a directory whose manifest was written with other data-shaping options."""
     man_p = out / "manifest.json"
     keep = ("target", "target_format", "layer_ids", "shard_size", "chat_fraction", "seed", "max_new_tokens", "topk")
     # compared as stored: paths portable, tuples as lists
@@ -235,84 +272,102 @@ def build_data(cfg: BuildDataConfig, command: Optional[str] = None):
         diff = {k: (stored.get(k), v) for k, v in asked.items() if stored.get(k) != v}
         if diff:
             raise ValueError(f"{out} holds data built with other options (stored, asked): {diff}")
-    nshards, n_code, n_chat = shard_plan(cfg)
-    ef = EvalFilter()
+
+
+def _code_prompts(cfg: BuildDataConfig, out: Path, n: int, ef):
+    """``(code prompts, prompts the eval filter dropped)``: ``code_prompts.jsonl`` when written (extended to
+    ``n`` with the written ones kept in place), else ``n`` new ones, written there."""
     code_p = out / "code_prompts.jsonl"
+    man_p = out / "manifest.json"
     if code_p.exists():
         code = [json.loads(l) for l in code_p.read_text().splitlines()]
         dropped = json.loads(man_p.read_text()).get("eval_filter_dropped") if man_p.exists() else None
-        if len(code) < nshards * n_code:  # a resumed run asked for more prompts: the written ones keep their index
-            code = extend_prompts(code, nshards * n_code, seed=cfg.seed, eval_filter=ef)
+        if len(code) < n:  # a resumed run asked for more prompts: the written ones keep their index
+            code = extend_prompts(code, n, seed=cfg.seed, eval_filter=ef)
             _atomic_write(code_p, "".join(json.dumps(p) + "\n" for p in code))
     else:
-        code = build_prompts(nshards * n_code, seed=cfg.seed, eval_filter=ef)
+        code = build_prompts(n, seed=cfg.seed, eval_filter=ef)
         dropped = getattr(build_prompts, "last_dropped", None)
         _atomic_write(code_p, "".join(json.dumps(p) + "\n" for p in code))
+    return code, dropped
+
+
+def _sources(cfg: BuildDataConfig, out: Path, model, tok, layer_ids: List[int], fmt: str, code: List[dict],
+             ef) -> _Sources:
+    """The run's generator (:class:`GGUFGenerator` for ``gguf``, else :class:`LlamaGenerator`) and Magpie
+    writer, with the rest of :class:`_Sources`."""
+    from taps.data.generation import LlamaGenerator
+    from taps.data.gguf_generation import GGUFGenerator
+    from taps.data.magpie import MagpieWriter
+
     if fmt == "gguf":
         gen = GGUFGenerator(model, layer_ids, batch_size=cfg.batch_size)
     else:
         gen = LlamaGenerator(model, layer_ids)
     magpie = MagpieWriter(out, gen, tok, eval_filter=ef, temperature=cfg.magpie_temperature,
                           max_tokens=cfg.magpie_max_tokens, batch_size=2 * cfg.batch_size, seed=cfg.seed)
+    _, n_code, n_chat = shard_plan(cfg)
+    return _Sources(gen, tok, magpie, code, layer_ids, fmt, n_code, n_chat)
+
+
+def _write_manifest(cfg: BuildDataConfig, out: Path, command: Optional[str], model, src: _Sources, why: str,
+                    dropped) -> None:
+    """``manifest.json`` (options, command, prompt mix, generation speed so far) and ``meta.json``."""
+    import sys
+
+    fmt, layer_ids = src.fmt, src.layer_ids
+    nl = model.config.num_hidden_layers
     conf = {k: v for k, v in asdict(cfg).items() if k not in ("deadline",)}
     conf["layer_ids"] = layer_ids
     conf["target_format"] = fmt
     manifest = {"config": portable_record(conf), "command": command or portable_command(sys.argv),
                 "target_format": fmt, "target_format_why": why, "num_target_layers": nl,
-                "hidden_size": model.config.hidden_size, "layer_ids": layer_ids, "num_shards": nshards,
-                "code_per_shard": n_code, "chat_per_shard": n_chat, "prompt_mode": "chat",
+                "hidden_size": model.config.hidden_size, "layer_ids": layer_ids, "num_shards": shard_plan(cfg)[0],
+                "code_per_shard": src.n_code, "chat_per_shard": src.n_chat, "prompt_mode": "chat",
                 "feat_dtype": cfg.feat_dtype, "eval_filter_dropped": dropped, "format": 2,
                 "generation": generation_speed(out)}
-    _atomic_write(man_p, json.dumps(manifest, indent=1))
+    _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1))
     # meta.json: what ShardData reads (layer ids of the features)
     _atomic_write(out / "meta.json", json.dumps({"target": cfg.target, "target_format": fmt, "num_target_layers": nl,
                                                  "layer_ids": layer_ids, "hidden_size": model.config.hidden_size,
                                                  "feat_dtype": cfg.feat_dtype, "format": 2}, indent=1))
-    dt = getattr(torch, cfg.feat_dtype)
-    cpu = cpu_name()
-    stats_p = out / "stats.jsonl"
-    for s in range(nshards):
-        sp = out / f"shard_{s:05d}.pt"
-        if s % cfg.num_parts != cfg.part or sp.exists():
-            continue
-        if cfg.deadline is not None and time.time() > cfg.deadline:
-            print("deadline reached, stopping", flush=True)
-            break
-        t0 = time.time()
-        turns = magpie.ensure((s + 1) * n_chat) if n_chat else []
-        t_magpie = time.time() - t0
-        items = [("code", i, code[i]) for i in range(s * n_code, min(len(code), (s + 1) * n_code))]
-        items += [("chat", i, turns[i]) for i in range(s * n_chat, (s + 1) * n_chat)]
-        pids = [apply_chat_template(tok, it[2]["text"])[-cfg.max_prompt_tokens:] for it in items]
-        results = _answer(gen, pids, [it[0] for it in items], cfg, tok.eos_token_id, fmt)
-        kinds = [it[2]["kind"] for it in items]
-        pidx = [(i if k == "code" else 1_000_000 + i) for k, i, _ in items]
-        blob = _pack_shard(results, kinds, pidx, layer_ids, dt, cfg.topk)
-        tmp = sp.with_suffix(".tmp")
-        torch.save(blob, tmp)
-        os.replace(tmp, sp)
-        ntok = int(blob["tokens"].numel())
-        nresp = ntok - int(blob["prompt_lens"].sum())
-        el = time.time() - t0
-        row = {"shard": s, "seqs": len(items), "tokens": ntok, "response_tokens": nresp, "seconds": round(el, 1),
-               "magpie_seconds": round(t_magpie, 1), "tokens_per_s": round(ntok / max(el - t_magpie, 1e-6), 1),
-               "generation_seconds": round(el - t_magpie, 3),
-               "response_tokens_per_s": round(nresp / max(el - t_magpie, 1e-6), 1), "target_format": fmt,
-               "threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "cpu": cpu,
-               "bytes": sp.stat().st_size, "wall": time.strftime("%H:%M:%S")}
-        with open(stats_p, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
-        _write_prompt_index(out, code, magpie.turns)
-        m = json.loads(man_p.read_text())
-        m["generation"] = generation_speed(out)
-        _atomic_write(man_p, json.dumps(m, indent=1))
-    _write_prompt_index(out, code, magpie.turns)
+
+
+def _write_shard(cfg: BuildDataConfig, src: _Sources, s: int, sp: Path, cpu: str) -> dict:
+    """Answers shard ``s``'s prompts, writes it atomically to ``sp`` and returns its ``stats.jsonl`` row."""
+    t0 = time.time()
+    n_code, n_chat, code = src.n_code, src.n_chat, src.code
+    turns = src.magpie.ensure((s + 1) * n_chat) if n_chat else []
+    t_magpie = time.time() - t0
+    items = [("code", i, code[i]) for i in range(s * n_code, min(len(code), (s + 1) * n_code))]
+    items += [("chat", i, turns[i]) for i in range(s * n_chat, (s + 1) * n_chat)]
+    pids = [apply_chat_template(src.tok, it[2]["text"])[-cfg.max_prompt_tokens:] for it in items]
+    results = _answer(src.gen, pids, [it[0] for it in items], cfg, src.tok.eos_token_id, src.fmt)
+    kinds = [it[2]["kind"] for it in items]
+    pidx = [(i if k == "code" else 1_000_000 + i) for k, i, _ in items]
+    blob = _pack_shard(results, kinds, pidx, src.layer_ids, getattr(torch, cfg.feat_dtype), cfg.topk)
+    tmp = sp.with_suffix(".tmp")
+    torch.save(blob, tmp)
+    os.replace(tmp, sp)
+    ntok = int(blob["tokens"].numel())
+    nresp = ntok - int(blob["prompt_lens"].sum())
+    el = time.time() - t0
+    return {"shard": s, "seqs": len(items), "tokens": ntok, "response_tokens": nresp, "seconds": round(el, 1),
+            "magpie_seconds": round(t_magpie, 1), "tokens_per_s": round(ntok / max(el - t_magpie, 1e-6), 1),
+            "generation_seconds": round(el - t_magpie, 3),
+            "response_tokens_per_s": round(nresp / max(el - t_magpie, 1e-6), 1), "target_format": src.fmt,
+            "threads": torch.get_num_threads(), "batch_size": cfg.batch_size, "cpu": cpu,
+            "bytes": sp.stat().st_size, "wall": time.strftime("%H:%M:%S")}
+
+
+def _update_manifest(out: Path, magpie: Optional[dict] = None) -> None:
+    """Refreshes the manifest's ``generation`` record (and sets its ``magpie`` record when given)."""
+    man_p = out / "manifest.json"
     m = json.loads(man_p.read_text())
-    m["magpie"] = dict(magpie.stats, accepted=len(magpie.turns))
+    if magpie is not None:
+        m["magpie"] = magpie
     m["generation"] = generation_speed(out)
     _atomic_write(man_p, json.dumps(m, indent=1))
-    return out
 
 
 def _answer(gen, prompt_ids: List[List[int]], kinds: List[str], cfg: BuildDataConfig, eos_id: int, fmt: str):

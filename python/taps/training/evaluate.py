@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -40,42 +41,67 @@ from taps.paths import portable_path
 from taps.training.train import ShardData, make_batch
 
 
+@dataclass
+class EvalOptions:
+    """Options of :func:`eval_drafter` (``eval-drafter`` on the command line); see the module docstring.
+
+    ``shards``: the held-out shard indices read (default ``[0]``); ``max_seqs`` sequences, ``anchors_per_seq``
+    anchors each (drawn with ``seed``), ``batch_size`` sequences per forward; ``out_json``: also write the
+    result there; ``threads``: CPU threads (default: leave as set).
+    """
+
+    target: str = "smollm2"
+    shards: Optional[List[int]] = None
+    max_seqs: int = 96
+    anchors_per_seq: int = 16
+    seed: int = 1234
+    batch_size: int = 4
+    out_json: Optional[str] = None
+    threads: Optional[int] = None
+    use_draft_vocab: bool = False
+    dtype: torch.dtype = torch.float32
+    block_positions: Optional[int] = None
+    short_blocks: bool = False
+    head_dtype: Optional[torch.dtype] = None
+
+
 @torch.no_grad()
-def eval_drafter(drafter_dir: str, data: str, target: str = "smollm2", shards: Optional[List[int]] = None,
-                 max_seqs: int = 96, anchors_per_seq: int = 16, seed: int = 1234, batch_size: int = 4,
-                 out_json: Optional[str] = None, threads: Optional[int] = None, drafter=None, tmodel=None,
-                 use_draft_vocab: bool = False, dtype: torch.dtype = torch.float32,
-                 block_positions: Optional[int] = None, short_blocks: bool = False,
-                 head_dtype: Optional[torch.dtype] = None):
+def eval_drafter(drafter_dir: str, data: str, options: Optional[EvalOptions] = None, *, drafter=None, tmodel=None,
+                 **overrides):
+    """The metrics of the module docstring for the drafter in ``drafter_dir`` (or ``drafter``, already loaded)
+    on the shards of ``data``. ``options`` (default :class:`EvalOptions`), with any of its fields overridden
+    by keyword (``eval_drafter(d, data, shards=[0], max_seqs=8)``); ``tmodel``: the target, already loaded."""
     from taps.models.target import load_target
 
-    if threads:
-        torch.set_num_threads(threads)
-    shards = shards if shards is not None else [0]
+    opts = replace(options or EvalOptions(), **overrides)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    if opts.shards is None:
+        opts.shards = [0]
     if tmodel is None:
-        tmodel, _ = load_target(target)
+        tmodel, _ = load_target(opts.target)
     if drafter is None:
-        drafter = load_drafter(drafter_dir, target_config=tmodel.config, dtype=dtype)
+        drafter = load_drafter(drafter_dir, target_config=tmodel.config, dtype=opts.dtype)
     else:
         check_compatible(drafter.config, tmodel.config)
-    if use_draft_vocab and drafter.draft_vocab is None:
+    if opts.use_draft_vocab and drafter.draft_vocab is None:
         raise ValueError("use_draft_vocab: the drafter has no draft vocabulary")
     drafter.eval()
     saved_head = drafter.head_dtype, drafter.draft_vocab
-    drafter.head_dtype = head_dtype
-    if not use_draft_vocab:
+    drafter.head_dtype = opts.head_dtype
+    if not opts.use_draft_vocab:
         drafter.draft_vocab = None  # the full vocabulary, not the config's reduced one
     try:
-        return _eval(drafter, drafter_dir, data, tmodel, shards, max_seqs, anchors_per_seq, seed, batch_size,
-                     out_json, use_draft_vocab, block_positions, short_blocks)
+        return _eval(drafter, drafter_dir, data, tmodel, opts)
     finally:
         drafter.head_dtype, drafter.draft_vocab = saved_head
 
 
-def _eval(drafter, drafter_dir, data, tmodel, shards, max_seqs, anchors_per_seq, seed, batch_size, out_json,
-          use_draft_vocab, block_positions, short_blocks):
+def _eval(drafter, drafter_dir, data, tmodel, opts: EvalOptions):
     from tqdm import tqdm
 
+    shards, block_positions, short_blocks = opts.shards, opts.block_positions, opts.short_blocks
+    use_draft_vocab, batch_size = opts.use_draft_vocab, opts.batch_size
     embed, head = tmodel.get_input_embeddings(), tmodel.get_output_embeddings()
     ds = ShardData(data, only=shards)
     prompts = []
@@ -88,8 +114,8 @@ def _eval(drafter, drafter_dir, data, tmodel, shards, max_seqs, anchors_per_seq,
         raise ValueError(f"block_positions: expected 1..{S - 1} (block_size-1), received {block_positions}")
     if short_blocks and block_positions is None:
         raise ValueError("short_blocks: needs block_positions (the positions the short block drafts)")
-    rng = random.Random(seed)
-    n = min(max_seqs, len(ds))
+    rng = random.Random(opts.seed)
+    n = min(opts.max_seqs, len(ds))
     hits = torch.zeros(D)
     cnt = torch.zeros(D)
     taus = []
@@ -98,7 +124,7 @@ def _eval(drafter, drafter_dir, data, tmodel, shards, max_seqs, anchors_per_seq,
     for i in tqdm(range(0, n, batch_size), desc="eval-drafter", unit="batch"):
         ks = list(range(i, min(n, i + batch_size)))
         samples = [ds.get(k) for k in ks]
-        feats, blocks, anchors, labels = make_batch(samples, S, anchors_per_seq, drafter.mask_token_id, rng,
+        feats, blocks, anchors, labels = make_batch(samples, S, opts.anchors_per_seq, drafter.mask_token_id, rng,
                                                     full_blocks_only=True)
         labels = labels[:, :, :D]
         if short_blocks:
@@ -144,7 +170,7 @@ def _eval(drafter, drafter_dir, data, tmodel, shards, max_seqs, anchors_per_seq,
         res["code_kinds_tau"] = round(sum(code) / len(code), 4)
     fam = {"code": [t for k, v in by_kind.items() if k != "chat" for t in v], "chat": by_kind.get("chat", [])}
     res["family_tau"] = {k: {"tau": round(sum(v) / len(v), 4), "blocks": len(v)} for k, v in fam.items() if v}
-    if out_json:
-        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_json).write_text(json.dumps(res, indent=1) + "\n")
+    if opts.out_json:
+        Path(opts.out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out_json).write_text(json.dumps(res, indent=1) + "\n")
     return res

@@ -169,17 +169,20 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
-def block_loss(drafter, lm_head, embed_tokens, feats, block_ids, anchors, labels, weights, autocast: bool,
-               vocab_subset: Optional[torch.Tensor] = None, soft_ids: Optional[torch.Tensor] = None,
-               soft_logp: Optional[torch.Tensor] = None, kl_weight: float = 0.0):
+def block_loss(drafter, lm_head, embed_tokens, batch, weights, autocast: bool,
+               vocab_subset: Optional[torch.Tensor] = None, kl_weight: float = 0.0):
     """Position-decayed CE over valid label rows (+ ``kl_weight`` x distillation). Returns (loss, stats).
 
+    ``batch``: what :func:`make_batch` returns, ``(feats, block_ids, anchors, labels)`` or, with the
+    target's top-k, ``(feats, block_ids, anchors, labels, soft_ids, soft_logp)``.
     ``vocab_subset`` (sorted int64 token ids, must contain every label and every top-k id): the
     softmax runs over these rows of the frozen LM head only (a sampled-softmax
     speed-up for CPU training; evaluation always uses the full vocabulary).
     ``soft_ids``/``soft_logp`` ``[B,M,S-1,k]``: the target's top-k log-probabilities at each label; the
     distillation term is the cross-entropy of the drafter to the target's top-k distribution renormalised
     over its k ids (= KL to it up to a constant), position-weighted like the CE."""
+    feats, block_ids, anchors, labels = batch[:4]
+    soft_ids, soft_logp = batch[4:] if len(batch) > 4 else (None, None)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
         h = drafter.forward_blocks(feats, block_ids, anchors, embed_tokens)  # [B,M,S,H]
@@ -360,184 +363,267 @@ def train_drafter(cfg: TrainConfig):
     """Train (or resume) a drafter as configured; returns the drafter. See the module docstring."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg: expected TrainConfig, received {type(cfg).__name__}")
-    data, out, target = cfg.data, cfg.out, cfg.target
-    num_layers, intermediate_size, block_size, gamma = cfg.num_layers, cfg.intermediate_size, cfg.block_size, cfg.gamma
-    anchors_per_seq, batch_size, max_seq_len, steps = cfg.anchors_per_seq, cfg.batch_size, cfg.max_seq_len, cfg.steps
-    lr, warmup, weight_decay, save_every = cfg.lr, cfg.warmup, cfg.weight_decay, cfg.save_every
-    holdout_shards, bf16, seed, threads, max_minutes = cfg.holdout_shards, cfg.bf16, cfg.seed, cfg.threads, cfg.max_minutes
-    mask_token_id, rescan_every, log_every = cfg.mask_token_id, cfg.rescan_every, cfg.log_every
-    train_vocab, extra_negatives = cfg.train_vocab, cfg.extra_negatives
-    normalize_features, norm_lr_mult = cfg.normalize_features, cfg.norm_lr_mult
-    from tqdm import tqdm
-
-    from taps.models.target import load_target
-
-    if threads:
-        torch.set_num_threads(threads)
-    t_start = time.time()
-    outp = Path(out)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    outp = Path(cfg.out)
     outp.mkdir(parents=True, exist_ok=True)
-    holdout = [int(x) for x in str(holdout_shards).split(",") if x.strip()] if holdout_shards else []
-    ds = ShardData(data, holdout=holdout)
-    meta = ds.meta
-    tmodel, tok = load_target(target)
-    tc = tmodel.config
-    embed = tmodel.get_input_embeddings()
-    head = tmodel.get_output_embeddings()
-    for p in tmodel.parameters():
-        p.requires_grad_(False)
-    mask_id = DEFAULT_MASK_TOKEN_ID if mask_token_id is None else mask_token_id
-    tcfg = cfg
-    cfg = DFlashConfig(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
-                       num_key_value_heads=tc.num_key_value_heads,
-                       head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-                       intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-                       rms_norm_eps=float(tc.rms_norm_eps),
-                       rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 100000.0)),
-                       vocab_size=tc.vocab_size, block_size=block_size, num_target_layers=tc.num_hidden_layers,
-                       target_layer_ids=list(meta["layer_ids"]), mask_token_id=mask_id,
-                       max_position_embeddings=tc.max_position_embeddings)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
+    holdout = [int(x) for x in str(cfg.holdout_shards).split(",") if x.strip()] if cfg.holdout_shards else []
+    ds = ShardData(cfg.data, holdout=holdout)
+    tmodel = _frozen_target(cfg.target)
+    fresh = _fresh_config(cfg, tmodel.config, ds.meta)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
     ck = outp / "ckpt.pt"
     st = torch.load(str(ck), weights_only=False) if ck.exists() else None
+    model = _make_drafter(cfg, tmodel, fresh, ds.meta, st)
+    opt = _optimizer(cfg, model.drafter)
+    run = _restore(st, model.drafter, opt, rng, ck)
+    _write_train_config(cfg, outp, model, ds, holdout)
+    _train_loop(cfg, model, ds, opt, rng, run, outp)
+    summary = {"step": run.step, "train_seconds": round(run.extra["train_seconds"], 1),
+               "blocks_seen": run.extra["blocks_seen"], "rows_seen": run.extra["rows_seen"], "train_seqs": len(ds),
+               "tokens_all_response": ds.token_counts()}
+    (outp / "train_summary.json").write_text(json.dumps(portable_record(summary), indent=1))
+    print(json.dumps(summary), flush=True)
+    return model.drafter
+
+
+@dataclass
+class _Drafter:
+    """The drafter in training with what its loss reads: its architecture (the checkpoint's when a run
+    resumes, the parent's when it starts from one) and the frozen target's input embeddings and LM head."""
+
+    drafter: DFlashDrafter
+    config: DFlashConfig
+    embed: torch.nn.Module
+    head: torch.nn.Module
+
+
+@dataclass
+class _Progress:
+    """What the step loop carries from one step to the next (``extra`` goes into every checkpoint)."""
+
+    step: int
+    extra: dict
+    resumed: bool
+    seg_t: float = 0.0  # start of the time segment not yet added to extra["train_seconds"]
+    ema: Optional[float] = None
+    seen_vocab: Optional[torch.Tensor] = None
+
+
+def _frozen_target(name: str):
+    """The target model with every parameter frozen (its embeddings and LM head are borrowed)."""
+    from taps.models.target import load_target
+
+    tmodel, _ = load_target(name)
+    for p in tmodel.parameters():
+        p.requires_grad_(False)
+    return tmodel
+
+
+def _fresh_config(cfg: TrainConfig, tc, meta: dict) -> DFlashConfig:
+    """The architecture of a new drafter for target config ``tc`` reading the data's layers."""
+    mask_id = DEFAULT_MASK_TOKEN_ID if cfg.mask_token_id is None else cfg.mask_token_id
+    return DFlashConfig(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
+                        num_key_value_heads=tc.num_key_value_heads,
+                        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+                        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                        rms_norm_eps=float(tc.rms_norm_eps),
+                        rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 100000.0)),
+                        vocab_size=tc.vocab_size, block_size=cfg.block_size, num_target_layers=tc.num_hidden_layers,
+                        target_layer_ids=list(meta["layer_ids"]), mask_token_id=mask_id,
+                        max_position_embeddings=tc.max_position_embeddings)
+
+
+def _make_drafter(cfg: TrainConfig, tmodel, fresh: DFlashConfig, meta: dict, st: Optional[dict]) -> _Drafter:
+    """The drafter to train, in train mode: the checkpoint's architecture (``st``), else the parent's layers
+    (``cfg.init_from``), else ``fresh`` with new weights (output norm started at the target's final norm)."""
+    dcfg = fresh
     if st is not None and st.get("config"):
         # the checkpoint carries its architecture: a resumed run needs neither init_from nor the parent it named
-        cfg = DFlashConfig.from_dict(st["config"])
-        mask_id, block_size = cfg.mask_token_id, cfg.block_size
-        drafter = DFlashDrafter(cfg)
-    elif tcfg.init_from is not None:
-        from taps.models.drafter import load_drafter
-
-        init = load_drafter(tcfg.init_from, target_config=tc)
-        if list(init.config.target_layer_ids) != list(meta["layer_ids"]):
-            raise ValueError(f"init_from: drafter reads target layers {init.config.target_layer_ids}, the data "
-                             f"holds {meta['layer_ids']}")
-        cfg = DFlashConfig.from_dict(init.config.to_dict())
-        cfg.draft_vocab_size = None
-        cfg.extra.pop("draft_vocab_file", None)
-        cfg.block_size = block_size
-        keep = list(range(cfg.num_hidden_layers)) if tcfg.init_layers is None else \
-            [int(x) for x in str(tcfg.init_layers).split(",")]
-        state = keep_layers(init.state_dict(), keep, cfg.num_hidden_layers)
-        cfg.num_hidden_layers = len(keep)
-        mask_id = cfg.mask_token_id
-        drafter = DFlashDrafter(cfg)
-        drafter.load_state_dict(state)
-        print(f"initialised from {tcfg.init_from} ({cfg.num_hidden_layers} layers)", flush=True)
+        dcfg = DFlashConfig.from_dict(st["config"])
+        drafter = DFlashDrafter(dcfg)
+    elif cfg.init_from is not None:
+        dcfg, drafter = _drafter_from_parent(cfg, tmodel.config, meta)
     else:
-        drafter = DFlashDrafter(cfg)
+        drafter = DFlashDrafter(dcfg)
         _init_weights(drafter)
         tnorm = getattr(getattr(tmodel, "model", None), "norm", None)
         if tnorm is not None and tnorm.weight.shape == drafter.norm.weight.shape:
             with torch.no_grad():  # start the output norm where the target's final norm is (same LM head)
                 drafter.norm.weight.copy_(tnorm.weight.float())
     drafter.train()
+    return _Drafter(drafter, dcfg, tmodel.get_input_embeddings(), tmodel.get_output_embeddings())
+
+
+def _drafter_from_parent(cfg: TrainConfig, tc, meta: dict):
+    """``(config, drafter)`` started from ``cfg.init_from``: its architecture with ``cfg.block_size``, its
+    layers ``cfg.init_layers`` (default all) and the full vocabulary."""
+    from taps.models.drafter import load_drafter
+
+    init = load_drafter(cfg.init_from, target_config=tc)
+    if list(init.config.target_layer_ids) != list(meta["layer_ids"]):
+        raise ValueError(f"init_from: drafter reads target layers {init.config.target_layer_ids}, the data "
+                         f"holds {meta['layer_ids']}")
+    dcfg = DFlashConfig.from_dict(init.config.to_dict())
+    dcfg.draft_vocab_size = None
+    dcfg.extra.pop("draft_vocab_file", None)
+    dcfg.block_size = cfg.block_size
+    keep = list(range(dcfg.num_hidden_layers)) if cfg.init_layers is None else \
+        [int(x) for x in str(cfg.init_layers).split(",")]
+    state = keep_layers(init.state_dict(), keep, dcfg.num_hidden_layers)
+    dcfg.num_hidden_layers = len(keep)
+    drafter = DFlashDrafter(dcfg)
+    drafter.load_state_dict(state)
+    print(f"initialised from {cfg.init_from} ({dcfg.num_hidden_layers} layers)", flush=True)
+    return dcfg, drafter
+
+
+def _optimizer(cfg: TrainConfig, drafter: DFlashDrafter) -> torch.optim.AdamW:
+    """AdamW; the RMSNorm gains (no weight decay) at ``cfg.norm_lr_mult`` times the learning rate."""
     # RMSNorm gains get a larger learning rate: q_norm/k_norm gains set the attention
     # temperature (q and k are unit-RMS), and at lr ~1e-3 they take ~1000 steps to
     # move from 1 to 2, which keeps attention over the context nearly uniform.
     decay = [p for n, p in drafter.named_parameters() if not n.endswith("norm.weight")]
     nodecay = [p for n, p in drafter.named_parameters() if n.endswith("norm.weight")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay, "lr_mult": 1.0},
-                             {"params": nodecay, "weight_decay": 0.0, "lr_mult": norm_lr_mult}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    step = 0
-    feat_scale = None
-    extra = {"train_seconds": 0.0, "blocks_seen": 0, "rows_seen": 0}
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
+                              {"params": nodecay, "weight_decay": 0.0, "lr_mult": cfg.norm_lr_mult}],
+                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _restore(st: Optional[dict], drafter: DFlashDrafter, opt, rng: random.Random, ck: Path) -> _Progress:
+    """The loop's starting point: step 0, or the checkpoint ``st`` (weights, optimiser, step, RNG states,
+    counters and feature scale put back)."""
+    run = _Progress(step=0, extra={"train_seconds": 0.0, "blocks_seen": 0, "rows_seen": 0}, resumed=st is not None)
     if st is not None:
         drafter.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        step = st["step"]
+        run.step = st["step"]
         rng.setstate(st["py_rng"])
         torch.set_rng_state(st["torch_rng"])
-        extra.update(st.get("extra", {}))
-        feat_scale = st.get("feat_scale")
-        drafter.set_feature_scale(feat_scale)
-        print(f"resumed from {ck} at step {step}", flush=True)
-    weights = position_weights(block_size, gamma)
-    nparams = sum(p.numel() for p in drafter.parameters())
+        run.extra.update(st.get("extra", {}))
+        drafter.set_feature_scale(st.get("feat_scale"))
+        print(f"resumed from {ck} at step {run.step}", flush=True)
+    return run
+
+
+def _write_train_config(cfg: TrainConfig, outp: Path, model: _Drafter, ds: ShardData, holdout: List[int]) -> None:
+    """``train_config.json``: the options, the held-out shards, the mask id and the drafter's architecture."""
+    nparams = sum(p.numel() for p in model.drafter.parameters())
     (outp / "train_config.json").write_text(json.dumps(portable_record(dict(
-        asdict(tcfg), holdout_shards=holdout, mask_token_id=mask_id, params=nparams, drafter_config=cfg.to_dict())),
-        indent=1))
-    log = open(outp / "train_log.jsonl", "a")
+        asdict(cfg), holdout_shards=holdout, mask_token_id=model.config.mask_token_id, params=nparams,
+        drafter_config=model.config.to_dict())), indent=1))
     print(f"drafter params {nparams/1e6:.2f}M, train seqs {len(ds)}, tokens {ds.token_counts()}", flush=True)
-    pbar = tqdm(total=steps, initial=step, desc="train-drafter", unit="step")
-    seg_t = time.time()
-    ema = None
-    seen_vocab = None
-    while step < steps:
-        if max_minutes is not None and extra["train_seconds"] + time.time() - seg_t > max_minutes * 60:
-            print("time limit reached", flush=True)
-            break
-        if step % rescan_every == 0:
-            if ds.rescan() or seen_vocab is None:
-                print(f"step {step}: {len(ds)} train seqs, tokens (all, response) {ds.token_counts()}", flush=True)
-                if train_vocab == "seen":
-                    seen_vocab = ds.response_vocab(cfg.vocab_size)
-                    print(f"  training softmax over {int(seen_vocab.sum())} seen tokens + {extra_negatives} random",
-                          flush=True)
-        if len(ds) == 0:
-            time.sleep(10)
-            continue
-        if normalize_features and drafter.feature_scale is None and tcfg.init_from is None and st is None:
-            drafter.set_feature_scale(feature_scale_from_data(ds))
-            print("feature scale set from data (folded into fc.weight on save)", flush=True)
-        tf = 0.0
-        if max_minutes:
-            tf = (extra["train_seconds"] + time.time() - seg_t) / (max_minutes * 60)
-        cur_lr = _lr_at(step, steps, warmup, lr, min_ratio=tcfg.min_lr_ratio, time_frac=tf)
-        for g in opt.param_groups:
-            g["lr"] = cur_lr * g.get("lr_mult", 1.0)
-        keys = [rng.randrange(len(ds)) for _ in range(batch_size)]
-        samples = [ds.get(k, max_seq_len) for k in keys]
-        topk = None
-        if tcfg.kl_weight > 0:
-            topk = [ds.get_topk(k, len(sm[0])) for k, sm in zip(keys, samples)]
-            if any(t is None for t in topk):
-                raise ValueError("kl_weight > 0 needs data with top-k log-probabilities (build-data --topk)")
-        batch = make_batch(samples, block_size, anchors_per_seq, mask_id, rng, topk=topk)
-        soft = batch[4:] if topk is not None else (None, None)
-        batch = batch[:4]
-        subset = None
-        if seen_vocab is not None:
-            sel = seen_vocab.clone()
-            if extra_negatives:
-                sel[torch.randint(0, cfg.vocab_size, (extra_negatives,))] = True
-            sel[batch[3][batch[3] >= 0]] = True
-            if soft[0] is not None:
-                sel[soft[0][soft[0] >= 0]] = True
-            subset = sel.nonzero().squeeze(1)
-        loss, stats = block_loss(drafter, head, embed, *batch, weights, bf16, vocab_subset=subset,
-                                 soft_ids=soft[0], soft_logp=soft[1], kl_weight=tcfg.kl_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        step += 1
-        extra["blocks_seen"] += int((batch[2] >= 0).sum())
-        extra["rows_seen"] += stats["rows"]
-        lv = loss.item()
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        pbar.update(1)
-        pbar.set_postfix(loss=f"{ema:.3f}", acc1=f"{stats['pos_acc'][0]:.2f}", tau=f"{stats['tau']:.2f}")
-        if step % log_every == 0:
-            now = time.time()
-            extra["train_seconds"] += now - seg_t
-            seg_t = now
-            log.write(json.dumps({"step": step, "loss": round(float(loss), 4), "loss_ema": round(ema, 4),
-                                  "ce": round(stats["ce"], 4), "kl": None if stats["kl"] is None else round(stats["kl"], 4),
-                                  "lr": cur_lr, "grad_norm": round(float(gn), 3), "tau": round(stats["tau"], 3),
-                                  "acc": [round(a, 3) for a in stats["pos_acc"][:15]],
-                                  "train_seconds": round(extra["train_seconds"], 1),
-                                  "wall": time.strftime("%H:%M:%S")}) + "\n")
-            log.flush()
-        if step % save_every == 0:
-            _save(outp, drafter, opt, step, rng, extra)
-    extra["train_seconds"] += time.time() - seg_t
-    _save(outp, drafter, opt, step, rng, extra)
+
+
+def _train_loop(cfg: TrainConfig, model: _Drafter, ds: ShardData, opt, rng: random.Random, run: _Progress,
+                outp: Path) -> None:
+    """Steps until ``cfg.steps`` (or ``cfg.max_minutes``), logging every ``log_every`` steps and checkpointing
+    every ``save_every`` and at the end."""
+    from tqdm import tqdm
+
+    weights = position_weights(model.config.block_size, cfg.gamma)
+    with open(outp / "train_log.jsonl", "a") as log:
+        pbar = tqdm(total=cfg.steps, initial=run.step, desc="train-drafter", unit="step")
+        run.seg_t = time.time()
+        while run.step < cfg.steps:
+            if cfg.max_minutes is not None and run.extra["train_seconds"] + time.time() - run.seg_t > cfg.max_minutes * 60:
+                print("time limit reached", flush=True)
+                break
+            if run.step % cfg.rescan_every == 0:
+                _rescan(cfg, ds, model.config.vocab_size, run)
+            if len(ds) == 0:
+                time.sleep(10)
+                continue
+            if cfg.normalize_features and model.drafter.feature_scale is None and cfg.init_from is None \
+                    and not run.resumed:
+                model.drafter.set_feature_scale(feature_scale_from_data(ds))
+                print("feature scale set from data (folded into fc.weight on save)", flush=True)
+            loss, stats, gn, cur_lr = _train_step(cfg, model, ds, opt, rng, run, weights)
+            lv = loss.item()
+            run.ema = lv if run.ema is None else 0.95 * run.ema + 0.05 * lv
+            pbar.update(1)
+            pbar.set_postfix(loss=f"{run.ema:.3f}", acc1=f"{stats['pos_acc'][0]:.2f}", tau=f"{stats['tau']:.2f}")
+            if run.step % cfg.log_every == 0:
+                _log_step(log, run, loss, stats, gn, cur_lr)
+            if run.step % cfg.save_every == 0:
+                _save(outp, model.drafter, opt, run.step, rng, run.extra)
+    run.extra["train_seconds"] += time.time() - run.seg_t
+    _save(outp, model.drafter, opt, run.step, rng, run.extra)
     pbar.close()
-    summary = {"step": step, "train_seconds": round(extra["train_seconds"], 1), "blocks_seen": extra["blocks_seen"],
-               "rows_seen": extra["rows_seen"], "train_seqs": len(ds), "tokens_all_response": ds.token_counts()}
-    (outp / "train_summary.json").write_text(json.dumps(portable_record(summary), indent=1))
-    print(json.dumps(summary), flush=True)
-    return drafter
+
+
+def _rescan(cfg: TrainConfig, ds: ShardData, vocab_size: int, run: _Progress) -> None:
+    """Picks up new shards; with ``train_vocab="seen"`` the softmax's token set follows the data."""
+    if ds.rescan() or run.seen_vocab is None:
+        print(f"step {run.step}: {len(ds)} train seqs, tokens (all, response) {ds.token_counts()}", flush=True)
+        if cfg.train_vocab == "seen":
+            run.seen_vocab = ds.response_vocab(vocab_size)
+            print(f"  training softmax over {int(run.seen_vocab.sum())} seen tokens + {cfg.extra_negatives} random",
+                  flush=True)
+
+
+def _train_step(cfg: TrainConfig, model: _Drafter, ds: ShardData, opt, rng: random.Random, run: _Progress,
+                weights: torch.Tensor):
+    """One optimiser step on a random batch; returns ``(loss, stats, grad norm, learning rate)``."""
+    tf = 0.0
+    if cfg.max_minutes:
+        tf = (run.extra["train_seconds"] + time.time() - run.seg_t) / (cfg.max_minutes * 60)
+    cur_lr = _lr_at(run.step, cfg.steps, cfg.warmup, cfg.lr, min_ratio=cfg.min_lr_ratio, time_frac=tf)
+    for g in opt.param_groups:
+        g["lr"] = cur_lr * g.get("lr_mult", 1.0)
+    batch = _sample_batch(cfg, model.config, ds, rng)
+    subset = _vocab_subset(cfg, model.config.vocab_size, run.seen_vocab, batch)
+    loss, stats = block_loss(model.drafter, model.head, model.embed, batch, weights, cfg.bf16, vocab_subset=subset,
+                             kl_weight=cfg.kl_weight)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(model.drafter.parameters(), 1.0)
+    opt.step()
+    run.step += 1
+    run.extra["blocks_seen"] += int((batch[2] >= 0).sum())
+    run.extra["rows_seen"] += stats["rows"]
+    return loss, stats, gn, cur_lr
+
+
+def _sample_batch(cfg: TrainConfig, dcfg: DFlashConfig, ds: ShardData, rng: random.Random):
+    """:func:`make_batch` of ``cfg.batch_size`` random sequences (with the target's top-k when
+    ``cfg.kl_weight`` > 0)."""
+    keys = [rng.randrange(len(ds)) for _ in range(cfg.batch_size)]
+    samples = [ds.get(k, cfg.max_seq_len) for k in keys]
+    topk = None
+    if cfg.kl_weight > 0:
+        topk = [ds.get_topk(k, len(sm[0])) for k, sm in zip(keys, samples)]
+        if any(t is None for t in topk):
+            raise ValueError("kl_weight > 0 needs data with top-k log-probabilities (build-data --topk)")
+    return make_batch(samples, dcfg.block_size, cfg.anchors_per_seq, dcfg.mask_token_id, rng, topk=topk)
+
+
+def _vocab_subset(cfg: TrainConfig, vocab_size: int, seen_vocab: Optional[torch.Tensor], batch):
+    """The sorted token ids the training softmax runs over (None: the full vocabulary): the seen tokens,
+    ``cfg.extra_negatives`` random ones, and every label and top-k id of ``batch``."""
+    if seen_vocab is None:
+        return None
+    sel = seen_vocab.clone()
+    if cfg.extra_negatives:
+        sel[torch.randint(0, vocab_size, (cfg.extra_negatives,))] = True
+    labels = batch[3]
+    sel[labels[labels >= 0]] = True
+    if len(batch) > 4:
+        soft_ids = batch[4]
+        sel[soft_ids[soft_ids >= 0]] = True
+    return sel.nonzero().squeeze(1)
+
+
+def _log_step(log, run: _Progress, loss, stats: dict, gn, cur_lr: float) -> None:
+    """One ``train_log.jsonl`` row; closes the current time segment."""
+    now = time.time()
+    run.extra["train_seconds"] += now - run.seg_t
+    run.seg_t = now
+    log.write(json.dumps({"step": run.step, "loss": round(float(loss), 4), "loss_ema": round(run.ema, 4),
+                          "ce": round(stats["ce"], 4), "kl": None if stats["kl"] is None else round(stats["kl"], 4),
+                          "lr": cur_lr, "grad_norm": round(float(gn), 3), "tau": round(stats["tau"], 3),
+                          "acc": [round(a, 3) for a in stats["pos_acc"][:15]],
+                          "train_seconds": round(run.extra["train_seconds"], 1),
+                          "wall": time.strftime("%H:%M:%S")}) + "\n")
+    log.flush()
