@@ -207,8 +207,9 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
 
     A round of policy ``P`` commits ``1 + #accepted selected nodes`` tokens (exact for greedy decoding: the
     accepted nodes of the pool form one root path and every selection is prefix-closed) and costs
-    ``t0 + overhead_s[P] + latency[n]`` (``n`` selected non-root nodes; AR: ``latency[0]``, no draft).
-    DFlash verifies its 15-node argmax chain; nodes of the chain missing from the pool count as rejected,
+    ``t0 + overhead_s[P] + latency[n]`` (``n`` selected non-root nodes; AR: ``latency[0]``, no draft); past
+    the table's last measured node count ``latency`` follows :class:`taps.decode.latency.LatencyTable`'s one
+    rule, as the policies do. DFlash verifies its 15-node argmax chain; nodes of the chain missing from the pool count as rejected,
     so its tau here is a lower bound. ``taps`` and ``ddtree-cost`` size their trees with the policies'
     throughput rule (:func:`taps.decode.policies.gate.throughput_size`) and draft every round (the replay
     has no notion of skipped rounds, so the gate is not replayed).
@@ -222,14 +223,18 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
     import taps_kernels as tk
     from taps.decode.policies.gate import plain_round_seconds, throughput_size
 
-    lat = torch.tensor(table["latency"], dtype=torch.float64)
-    t0 = float(table.get("t0", 0.0))
+    from taps.decode.latency import LatencyTable
+
+    R, N = traces["tokens"].shape
+    tbl = LatencyTable.of(table)
+    # every node count a pool of N rows can verify, past the table's end by its one rule (decode.latency)
+    lat = torch.tensor(tbl.batch_seconds(1, max(N, int(cap) + 1)), dtype=torch.float64)
+    t0 = tbl.t0
     L = lat.numel()
 
     def cost(n, key):
         return t0 + overhead_s.get(key, 0.0) + lat[n.clamp(max=L - 1)]
 
-    R, N = traces["tokens"].shape
     D = traces["entropy"].shape[1]
     acc_all = accepted_mask(traces)
     agg = {}
