@@ -15,8 +15,6 @@ Draft logits only propose tokens; the target verifies them, so none of this chan
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from taps_kernels.integrations.block_linear import BlockLinear, use_block_linear

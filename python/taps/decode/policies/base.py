@@ -28,7 +28,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-import taps_kernels
 from taps_kernels import Tree
 
 from ..tree_ops import chain_tree, root_only_tree  # noqa: F401  (re-exported: policies build these)
