@@ -20,6 +20,7 @@ except Exception as exc:  # ImportError, or an ABI mismatch surfacing as OSError
     raise ImportError(f"taps_kernels._C is not available ({type(exc).__name__}: {exc})") from exc
 
 from ._registry import register
+from .layout import Tree
 from .reference.select import default_utility_options_only
 
 
@@ -105,8 +106,6 @@ def lookup_chain_cpp(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: in
 def graft_chain_cpp(tree, log_reach: torch.Tensor, chain: torch.Tensor, chain_len: torch.Tensor,
                     chain_log_reach: torch.Tensor):
     """``(tree [B,N+K], log_reach [B,N+K] f32, chain_nodes [B,K] int64)``."""
-    from .layout import Tree
-
     tokens, parents, depth, num_nodes, reach, nodes = _C.graft_chain(
         tree.tokens, tree.parents, tree.depth, tree.num_nodes, log_reach, chain, chain_len, chain_log_reach)
     return Tree(tokens, parents, depth, num_nodes), reach, nodes

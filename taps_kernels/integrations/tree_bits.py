@@ -14,6 +14,7 @@ from typing import Tuple
 import torch
 
 from .._checks import check_tensor
+from ..reference.mask import unpack_ancestor_bits
 
 
 def check_bits(ancestor_bits: torch.Tensor, num_nodes: torch.Tensor) -> Tuple[int, int]:
@@ -38,8 +39,7 @@ def ancestor_matrix(ancestor_bits: torch.Tensor, num_nodes: torch.Tensor) -> tor
     nodes ``i, j < num_nodes[b]`` (False wherever either is padding). Bits above the diagonal are refused:
     in topological order an ancestor has a smaller index."""
     B, N = check_bits(ancestor_bits, num_nodes)
-    shifts = torch.arange(32, device=ancestor_bits.device, dtype=torch.int64)
-    anc = (((ancestor_bits.long()[..., None] >> shifts) & 1).flatten(-2)[..., :N]).bool()
+    anc = unpack_ancestor_bits(ancestor_bits, N)
     idx = torch.arange(N, device=ancestor_bits.device)
     real = idx[None, :] < num_nodes.long()[:, None]
     anc = anc & real[:, :, None] & real[:, None, :]

@@ -148,14 +148,7 @@ class GGUFGenerator:
                 p = rows[j].prompt[start:]
                 tokens[g, :len(p)] = torch.as_tensor(p, dtype=torch.int64)
             positions = (start + torch.arange(N, dtype=torch.int64)).expand(B, N).contiguous()
-            bits = chain_bits(N).repeat(B, 1, 1)
-            for g, j in enumerate(group):
-                P = len(rows[j].prompt) - start
-                if P < N:  # padding nodes: only their own bit
-                    pad = torch.arange(P, N)
-                    bits[g, P:] = 0
-                    bits[g, pad, pad // 32] = torch.where(pad % 32 == 31, torch.tensor(-2 ** 31),
-                                                          torch.ones_like(pad) << (pad % 32)).to(torch.int32)
+            bits = chain_bits(N, torch.tensor([len(rows[j].prompt) - start for j in group]))  # padding: own bit
             last = torch.tensor([g * N + len(rows[j].prompt) - start - 1 for g, j in enumerate(group)],
                                 dtype=torch.int64)
             cache_rows = torch.tensor([slots[j] for j in group], dtype=torch.int64)

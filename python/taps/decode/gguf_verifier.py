@@ -24,14 +24,20 @@ from . import kernels
 from .verifier import CacheVerifier
 
 
-def chain_bits(T: int) -> torch.Tensor:
-    """Ancestor bits ``[1, T, ceil(T/32)] int32`` of a chain of ``T`` nodes (node i sees nodes 0..i)."""
+def chain_bits(T: int, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Ancestor bits ``[B, T, ceil(T/32)] int32`` of chains padded to ``T`` nodes: node i of row b sees nodes
+    0..i while ``i < lengths[b]``, a padding node only itself (the layout's padding rows). ``lengths [B]``
+    integer; None: one row, ``T`` real nodes."""
     words = (T + 31) // 32
     i = torch.arange(T, dtype=torch.int64)[:, None]
     lo = torch.arange(words, dtype=torch.int64)[None, :] * 32
     count = (i - lo + 1).clamp(0, 32)
-    bits = (torch.ones_like(count) << count) - 1  # int64, at most 2**32 - 1
-    return torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)[None]
+    bits = ((torch.ones_like(count) << count) - 1)[None]  # int64, at most 2**32 - 1
+    if lengths is not None:
+        own = torch.where((i >= lo) & (i < lo + 32), torch.ones_like(i) << (i - lo).clamp(0, 31), 0)
+        real = torch.arange(T)[None, :, None] < lengths.to(torch.int64)[:, None, None]
+        bits = torch.where(real, bits, own[None])
+    return torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
 
 
 class GGUFVerifier(CacheVerifier):
