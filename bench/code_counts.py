@@ -15,11 +15,14 @@ Prints one line per count with its offenders (``path:line name``) and writes
   decides, and the ops ``taps_kernels/__init__.py`` imports from ``.ops``), the distinct Python functions a caller can enter to run that op. A function in ``taps_kernels/`` or
   ``python/taps/`` is a front door of op ``X`` when it
 
-  1. is a module-level function named ``X`` (public API, custom-op wrappers, the loop's direct calls), or
+  1. is a module-level function named ``X`` (public API, wrappers, the loop's direct calls), or
   2. is decorated with ``custom_op("taps::X", ...)`` (reached as ``torch.ops.taps.X``), or
   3. calls the dispatcher itself with the literal name: ``resolve("X", ...)`` or ``_impl("X", ...)``.
 
-  A function matching several rules counts once. Not front doors: the specs (``taps_kernels/reference/``),
+  A function matching several rules counts once. A ``torch.library`` op defined with
+  ``define("X(...)", kernel, fake)`` (:mod:`taps_kernels._library`) in the module of the public function ``X``
+  that calls it is that public op's own path, not a second door: its kernel is not counted, and the entry
+  of ``X`` says ``+ torch.ops.taps.X``; defined anywhere else, its kernel counts as a door. Not front doors: the specs (``taps_kernels/reference/``),
   the kernels (``taps_kernels/triton/``), the implementation modules that only register
   (``impls.py``, ``cpp_impls.py``, ``cuda_impls.py``, ``_registry.py``), the dispatcher itself
   (``backend.py``), and functions that reach the op through another front door. ``front_doors_max`` is the
@@ -151,6 +154,27 @@ def op_names(root: Path) -> List[str]:
     return ops
 
 
+def _library_kernels(mod: ast.Module, ops) -> Dict[str, str]:
+    """``{kernel function name: op}`` of the ``define("op(...)", kernel, fake)`` calls at ``mod``'s top level whose
+    public function ``op`` (same module) calls the defined op."""
+    defined = {}
+    for node in mod.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.Expr)) else None
+        if isinstance(value, ast.Call) and _call_name(value) == "define" and len(value.args) >= 2:
+            op = (_str_arg(value) or "").split("(", 1)[0]
+            target = node.targets[0].id if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) \
+                else None
+            if op in ops and isinstance(value.args[1], ast.Name):
+                defined[op] = (value.args[1].id, target)
+    public = {n.name: n for n in mod.body if isinstance(n, ast.FunctionDef)}
+    out = {}
+    for op, (kernel, handle) in defined.items():
+        calls = {_call_name(c) for fn in public.values() for c in ast.walk(fn) if isinstance(c, ast.Call)}
+        if handle is not None and handle in calls and op in {f for f in public if f in ops} | set(public):
+            out[kernel] = op
+    return out
+
+
 def _door_ops(fn, top_level: bool, ops) -> List[str]:
     found = set()
     if top_level and fn.name in ops:
@@ -201,12 +225,14 @@ def count(root: Path = ROOT) -> Dict[str, object]:
             names_used[rel] = {n.id for n in ast.walk(mod) if isinstance(n, ast.Name)} | {
                 n.attr for n in ast.walk(mod) if isinstance(n, ast.Attribute)} | {
                 a.name for n in ast.walk(mod) if isinstance(n, ast.ImportFrom) for a in n.names}
+        kernels = _library_kernels(mod, ops)
         for _, fn, name in functions(mod, rel):
             if is_triton_kernel(fn):
                 continue
-            if not rel.startswith(NOT_DOORS):
+            if not rel.startswith(NOT_DOORS) and fn.name not in kernels:
                 for op in _door_ops(fn, id(fn) in top, ops):
-                    doors[op].append(_where(rel, fn, name))
+                    note = f"+ torch.ops.taps.{op}" if op == fn.name and op in kernels.values() else ""
+                    doors[op].append(_where(rel, fn, name, note))
             if fn.name.endswith(("_size", "_sizes")) and TABLE_PARAMS & set(param_names(fn)):
                 size_rules.append((rel, fn, name))
     sizes = []

@@ -9,6 +9,8 @@ Public ops (shapes, dtypes and node order in each docstring; tree layout in
 linear layers for verify forwards on CPU).
 Every op takes ``backend=`` ("reference", "cpp", "triton", "cuda"); the default
 is chosen in :mod:`taps_kernels.backend`, and :func:`explain` says which and why.
+Each tree op is also a ``torch.ops.taps.*`` op (:mod:`taps_kernels._library`), registered by this import: the
+public function checks its arguments and calls it, and ``torch.compile`` graphs record it.
 """
 from .backend import BackendUnavailable, available_backends, explain, warn_if_cpp_missing
 from .layout import CandidatePool, Selection, TopKStats, Tree
@@ -17,8 +19,6 @@ from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool
                   tree_attention, tree_mask)
 from .ops.select import UTILITY_PRESETS
 from .scorer_weights import ScorerWeights
-
-from . import custom_ops  # noqa: F401,E402  (registers torch.ops.taps.* on import: one import for an engine)
 
 __version__ = "0.1.0"
 

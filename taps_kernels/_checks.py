@@ -21,6 +21,7 @@ Index arithmetic is done in Python ints or int64 tensors with comparisons that c
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -62,8 +63,8 @@ def values_by_default(device: torch.device) -> bool:
 def values_checked(validate: Optional[str], device: torch.device) -> bool:
     """Whether the value checks run for tensors on ``device`` under ``validate`` (see the module docstring)."""
     mode = validate_mode(validate)
-    if device.type not in DATA_DEVICES:
-        return False  # meta and other data-less tensors: nothing to read
+    if device.type not in DATA_DEVICES or torch.compiler.is_compiling():
+        return False  # meta tensors, or fake ones inside torch.compile: no data to read
     return mode == "full" or (mode == "auto" and values_by_default(device))
 
 
@@ -98,7 +99,7 @@ def check_data_device(name: str, value: torch.Tensor) -> torch.device:
     """The ops compute on tensors that hold data: CPU or CUDA. Meta tensors are for tracing the custom ops."""
     if value.device.type not in DATA_DEVICES:
         raise ValueError(f"{name}: expected a tensor on cpu or cuda, received one on {value.device} (meta tensors hold "
-                         f"no data: trace the taps:: custom ops instead, taps_kernels.custom_ops)")
+                         f"no data: trace the torch.ops.taps.* ops instead)")
     return value.device
 
 
@@ -117,6 +118,8 @@ def storage_span(t: torch.Tensor) -> Optional[Tuple[int, int]]:
     """
     if t.numel() == 0:
         return None
+    if t.is_contiguous():  # the common case, without a Python loop over the dims
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
 
@@ -126,6 +129,8 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
 
     Conservative: dims sorted by stride must each step past everything the smaller ones reach.
     """
+    if t.is_contiguous():
+        return False
     reach = 0
     for st, s in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
         if st <= reach:
@@ -138,26 +143,37 @@ def check_writable_disjoint(named: Sequence[Tuple[str, torch.Tensor]]) -> None:
     """Tensors an op writes in place: none may overlap itself, nor another one's storage span.
 
     Spans (first to last reachable byte) are compared, so two interleaved views of one buffer are refused
-    even where their elements would not collide: allocate each cache tensor separately.
+    even where their elements would not collide: allocate each cache tensor separately. Skipped while tracing
+    (fake tensors have no addresses); the op's kernel checks again when the graph runs.
     """
+    if torch.compiler.is_compiling():
+        return
     spans = []
-    for name, t in named:
+    for i, (name, t) in enumerate(named):
         if has_internal_overlap(t):
             raise ValueError(f"{name}: a tensor written in place must not overlap itself, received shape "
                              f"{tuple(t.shape)} with strides {t.stride()} (a stride-0 broadcast or interleaved "
                              f"strides); pass a tensor with its own memory (e.g. .contiguous())")
         span = storage_span(t)
-        if span is None:
-            continue
-        for other_name, other in spans:
-            if span[0] < other[1] and other[0] < span[1]:
-                if span == other:
-                    raise ValueError(f"{other_name} and {name}: the same tensor appears more than once; list each "
-                                     f"cache tensor once")
-                raise ValueError(f"{other_name} and {name}: their memory overlaps (byte spans [{other[0]:#x}, "
-                                 f"{other[1]:#x}) and [{span[0]:#x}, {span[1]:#x})); every cache tensor must have its "
-                                 f"own memory")
-        spans.append((name, span))
+        if span is not None:
+            spans.append((span, i))
+    # sorted by start, a span overlaps an earlier one iff it starts before the furthest end so far (n log n:
+    # a 30-layer cache is 60 tensors, checked on every compaction)
+    spans.sort()
+    furthest = None
+    for span, i in spans:
+        if furthest is not None and span[0] < furthest[0][1]:
+            other, j = furthest
+            first, second = sorted((j, i))
+            a, b = (other, span) if j == first else (span, other)
+            if span == other:
+                raise ValueError(f"{named[first][0]} and {named[second][0]}: the same tensor appears more than once; "
+                                 f"list each cache tensor once")
+            raise ValueError(f"{named[first][0]} and {named[second][0]}: their memory overlaps (byte spans "
+                             f"[{a[0]:#x}, {a[1]:#x}) and [{b[0]:#x}, {b[1]:#x})); every cache tensor must have its "
+                             f"own memory")
+        if furthest is None or span[1] > furthest[0][1]:
+            furthest = (span, i)
 
 
 def grad_needed(tensors: Iterable[Optional[torch.Tensor]]) -> Optional[int]:
@@ -247,7 +263,9 @@ def check_float(name: str, value, finite: bool = True, above: Optional[float] = 
     return v
 
 
+@functools.lru_cache(maxsize=None)
 def _memory_limit(device: torch.device) -> int:
+    """Total memory of the device (fixed for the process: probed once per device)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -262,8 +280,9 @@ def _bytes(n: float) -> str:
 
 
 def check_output_size(name: str, value: int, nbytes: int, device: torch.device) -> None:
-    """Refuse, naming the argument, a size whose outputs could never fit in the device's memory."""
-    if device.type not in DATA_DEVICES:
+    """Refuse, naming the argument, a size whose outputs could never fit in the device's memory (eager only: a
+    compiled graph's sizes were checked when it was traced eagerly, and the memory probe is not traceable)."""
+    if device.type not in DATA_DEVICES or torch.compiler.is_compiling():
         return
     limit = _memory_limit(device)
     if nbytes > limit:
@@ -352,3 +371,21 @@ def check_no_nan(name: str, values: torch.Tensor) -> None:
     if bool(values.isnan().any()):
         idx = first_index(values.isnan())
         raise ValueError(f"{name}{_at(idx)}: expected a number, received nan")
+
+
+def check_tree_tensors(tokens: Optional[torch.Tensor], parents: torch.Tensor, depth: Optional[torch.Tensor],
+                       num_nodes: torch.Tensor) -> Tuple[int, int]:
+    """Metadata of a tree passed as raw tensors (the ``torch.ops.taps`` ops' arguments); -> ``(B, N)``, ``N >= 1``.
+
+    ``tokens [B,N] int64`` and ``depth [B,N] int32`` are checked when given (an op that reads neither passes
+    None); ``parents [B,N] int32``, ``num_nodes [B] int32``."""
+    check_tensor("parents", parents, dtypes=(torch.int32,), ndim=2)
+    B, N = parents.shape
+    if N < 1:
+        raise ValueError(f"parents: expected at least one node (the root), received shape {(B, N)}")
+    if tokens is not None:
+        check_tensor("tokens", tokens, dtypes=(torch.int64,), shape=(B, N), device=parents.device)
+    if depth is not None:
+        check_tensor("depth", depth, dtypes=(torch.int32,), shape=(B, N), device=parents.device)
+    check_tensor("num_nodes", num_nodes, dtypes=(torch.int32,), shape=(B,), device=parents.device)
+    return B, N

@@ -1,5 +1,6 @@
 """Backend choice: one table in taps_kernels.backend, explained by ``explain``; overrides, limits, no import cycle."""
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -38,6 +39,7 @@ EXPECTED = {
     "best_first_pool": ("triton", "cpp"),
     "propagate_reach": ("triton", "cpp"),
     "select_subtree": ("triton", "cpp"),
+    "select_throughput": ("triton", "cpp"),
     "reindex_subtree": ("triton", "cpp"),
     "tree_mask": ("cuda", "cpp"),
     "tree_attention": ("triton", "reference"),
@@ -60,6 +62,9 @@ CALLS = [
     ("best_first_pool", "cuda", dict(pool_size=1024), "triton"),
     ("best_first_pool", "cuda", dict(pool_size=1025), "reference"),  # more than the kernel holds
     ("best_first_pool", "cpu", dict(pool_size=5000), "cpp"),
+    ("select_throughput", "cuda", dict(batch_size=32, max_nodes=64), "triton"),
+    ("select_throughput", "cuda", dict(batch_size=33, max_nodes=64), "reference"),  # one program ranks 2048
+    ("select_throughput", "cuda", dict(batch_size=64, max_nodes=64, columns=33), "triton"),
 ]
 
 
@@ -207,11 +212,81 @@ def test_explicit_backend_errors_say_why():
         bk.resolve("tree_mask", "fpga", CPU)
 
 
-def test_import_registers_the_custom_ops():
-    # An engine imports the package once: torch.ops.taps.* must exist without importing taps_kernels.custom_ops.
+LIBRARY_OPS = ["accept_greedy", "best_first_pool", "compact_kv", "reindex_subtree", "score_edges", "select_subtree",
+               "topk_stats", "tree_attention", "tree_mask"]
+
+
+def test_import_registers_the_library_ops():
+    # An engine imports the package once: every torch.ops.taps.* op must exist after `import taps_kernels`.
     code = ("import torch, taps_kernels\n"
-            "print(sorted(n for n in ('tree_mask', 'accept_greedy', 'compact_kv', 'tree_attention') "
-            "if hasattr(torch.ops.taps, n)))")
+            f"print(sorted(n for n in {LIBRARY_OPS!r} if hasattr(torch.ops.taps, n)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "['accept_greedy', 'compact_kv', 'tree_attention', 'tree_mask']"
+    assert out.stdout.strip() == str(LIBRARY_OPS)
+
+
+@pytest.mark.parametrize("op", LIBRARY_OPS)
+def test_each_public_op_has_one_path_through_its_library_op(op, monkeypatch):
+    """The public op reaches its backend only through ``torch.ops.taps.<op>``: every choice of ``op``'s backend
+    happens inside that op's dispatch (seen by a dispatch mode), never beside it (a second door)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops_module = {"accept_greedy": "accept", "best_first_pool": "pool", "compact_kv": "kv",
+                  "reindex_subtree": "select", "score_edges": "score", "select_subtree": "select",
+                  "topk_stats": "pool", "tree_attention": "attention", "tree_mask": "mask"}[op]
+    mod = importlib.import_module(f"taps_kernels.ops.{ops_module}")
+    call = _public_calls()[op]
+    events = []
+
+    class LibraryOps(TorchDispatchMode):
+        inside = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace != "taps":
+                return func(*args, **(kwargs or {}))
+            events.append(("op", func._opname))
+            LibraryOps.inside += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                LibraryOps.inside -= 1
+
+    real = mod.resolve
+
+    def resolve(name, *a, **k):
+        events.append(("resolve", name, LibraryOps.inside > 0))
+        return real(name, *a, **k)
+
+    import taps_kernels._library as library
+
+    monkeypatch.setattr(mod, "resolve", resolve)
+    monkeypatch.setattr(library, "resolve", resolve)  # the kernels that choose through backend_for
+    with LibraryOps():
+        call()
+    assert ("op", op) in events, events
+    chosen = [e for e in events if e[0] == "resolve" and e[1] == op]
+    assert chosen and all(inside for _, _, inside in chosen), events
+
+
+def _public_calls():
+    g = torch.Generator().manual_seed(0)
+    tree = tk.Tree(torch.tensor([[3, 4, 5]]), torch.tensor([[-1, 0, 1]], dtype=torch.int32),
+                   torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    logits = torch.randn(1, 2, 9, generator=g)
+    stats = tk.topk_stats(logits, 3)
+    pool = tk.candidate_pool(logits, torch.tensor([1]), 3, 4)
+    keys, values = [torch.randn(1, 1, 8, 4)], [torch.randn(1, 1, 8, 4)]
+    q = torch.randn(1, 1, 3, 4)
+    bits = tk.tree_mask(tree, torch.tensor([2]))[1]
+    return {
+        "accept_greedy": lambda: tk.accept_greedy(tree, torch.tensor([[4, 5, 6]]), max_depth=2),
+        "best_first_pool": lambda: tk.best_first_pool(stats, torch.tensor([1]), 4),
+        "compact_kv": lambda: tk.compact_kv(keys, values, torch.tensor([2]), torch.tensor([[0, 1]])),
+        "reindex_subtree": lambda: tk.select_subtree(pool.tree, pool.logq, 2),
+        "score_edges": lambda: tk.score_edges(pool, None),
+        "select_subtree": lambda: tk.select_subtree(pool.tree, pool.logq, 2),
+        "topk_stats": lambda: tk.topk_stats(logits, 3),
+        "tree_attention": lambda: tk.tree_attention(q, keys[0], values[0], bits, torch.tensor([2])),
+        "tree_mask": lambda: tk.tree_mask(tree, torch.tensor([2])),
+    }
+

@@ -185,13 +185,13 @@ def test_tree_attention_reads_the_cache_buffers_in_place(models, monkeypatch):
     target, drafter = models
     dec = BatchDecoder(target, make_policy("ddtree:4"), drafter=drafter, max_batch=2, attention="taps_tree")
     seen = []
-    real = taps_hf.custom_ops.tree_attention
+    real = taps_hf.attention.tree_attention
 
     def spy(q, k, v, *args, **kwargs):
         seen.append((k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr(), k.is_contiguous()))
         return real(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(taps_hf.custom_ops, "tree_attention", spy)
+    monkeypatch.setattr(taps_hf.attention, "tree_attention", spy)
     dec.submit([1, 2, 3], 8)
     dec.submit([4, 5, 6, 7, 8, 9, 10], 8)
     dec.admit()

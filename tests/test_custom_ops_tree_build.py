@@ -1,5 +1,6 @@
-"""The tree-building ``taps::`` custom ops (pool, scoring, selection): equality with the public ops, opcheck
-(schema, fake against real), torch.compile(fullgraph=True), Triton dispatch, argument errors.
+"""The tree-building ``taps::`` library ops (pool, scoring, selection) and the public ops that call them:
+unchecked calls equal checked ones, opcheck (schema, fake against real), torch.compile(fullgraph=True), Triton
+dispatch, argument errors without value checks.
 
 Equality is exact (floats bitwise): on one device both paths run the same backend implementation.
 """
@@ -8,7 +9,7 @@ import torch
 
 import taps_kernels
 from taps_kernels import ScorerWeights, _registry
-from taps_kernels import custom_ops_tree_build as cb
+from taps_kernels.ops.score import WEIGHT_FIELDS
 
 POOL_FIELDS = ("logq", "step_logq", "rank", "topk_logp", "topk_ids", "entropy", "margin", "topk_mass")
 TREE_FIELDS = ("tokens", "parents", "depth", "num_nodes")
@@ -43,15 +44,15 @@ def _assert_selection_equal(got, want):
 
 
 @pytest.mark.parametrize("seed,top_k,vocab", [(0, TOP_K, V), (1, 9, 7)])  # second: top_k > V (K clamped)
-def test_ops_equal_public_ops(seed, top_k, vocab):
+def test_unchecked_ops_equal_checked_ops(seed, top_k, vocab):
     logits, root, full, tiny, emb, hidden, latency = _case(seed, top_k, vocab)
-    pool = cb.candidate_pool(logits, root, top_k, POOL)
+    pool = taps_kernels.candidate_pool(logits, root, top_k, POOL, validate="none")
     want_pool = taps_kernels.candidate_pool(logits, root, top_k, POOL)
     _assert_pool_equal(pool, want_pool)
     assert pool.topk_logp.shape == (B, D, min(top_k, vocab))
     for weights in (None, tiny, full):
         args = (emb, hidden) if weights is full else ()
-        got = cb.score_edges(pool, weights, *args)
+        got = taps_kernels.score_edges(pool, weights, *args, validate="none")
         want = taps_kernels.score_edges(want_pool, weights, *args)
         for g, w in zip(got, want):
             assert g.dtype == torch.float32 and torch.equal(g, w)
@@ -60,7 +61,7 @@ def test_ops_equal_public_ops(seed, top_k, vocab):
     for kw in (dict(), dict(latency=latency, t0=0.01), dict(latency=latency.tolist()),
                dict(rule="utility", lambda_node=0.7, lambda_depth=0.05, min_utility=-4.0)):
         for max_nodes in (1, 6, POOL + 3):
-            got = cb.select_subtree(pool.tree, log_reach, max_nodes, **kw)
+            got = taps_kernels.select_subtree(pool.tree, log_reach, max_nodes, **kw, validate="none")
             _assert_selection_equal(got, taps_kernels.select_subtree(want_pool.tree, log_reach, max_nodes, **kw))
 
 
@@ -70,24 +71,24 @@ def test_pool_over_draft_vocab_equals_public_op():
     ids = torch.randperm(3 * V, generator=g)[:V].sort().values
     logits = torch.randint(-2, 2, (B, D, V), generator=g).float()  # integer logits: ties ranked by token id
     root = torch.tensor([3 * V - 1, 0, 5])
-    got = cb.candidate_pool(logits, root, TOP_K, POOL, vocab_ids=ids)
+    got = taps_kernels.candidate_pool(logits, root, TOP_K, POOL, vocab_ids=ids, validate="none")
     _assert_pool_equal(got, taps_kernels.candidate_pool(logits, root, TOP_K, POOL, vocab_ids=ids))
     assert bool(torch.isin(got.topk_ids, ids).all())
     torch._dynamo.reset()
-    compiled = torch.compile(cb.candidate_pool, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(taps_kernels.candidate_pool, fullgraph=True, backend="aot_eager")
     _assert_pool_equal(compiled(logits, root, TOP_K, POOL, vocab_ids=ids), got)
 
 
 def test_opcheck_all_ops():
     """Schema, fake (meta) against real outputs, autograd registration and AOT dispatch of each op."""
     logits, root, full, tiny, emb, hidden, latency = _case(2)
-    pool = cb.candidate_pool(logits, root, TOP_K, POOL)
+    pool = taps_kernels.candidate_pool(logits, root, TOP_K, POOL, validate="none")
     t = pool.tree
     base = (t.tokens, t.parents, t.depth, t.num_nodes, pool.logq, pool.step_logq, pool.topk_logp, pool.entropy,
             pool.margin, pool.topk_mass)
-    flat_full = [getattr(full, n) for n in cb.WEIGHT_FIELDS]
-    flat_tiny = [getattr(tiny, n) for n in cb.WEIGHT_FIELDS]
-    _, _, log_reach = cb.score_edges(pool, full, emb, hidden)
+    flat_full = [getattr(full, n) for n in WEIGHT_FIELDS]
+    flat_tiny = [getattr(tiny, n) for n in WEIGHT_FIELDS]
+    _, _, log_reach = taps_kernels.score_edges(pool, full, emb, hidden, validate="none")
     pool_index, num_selected = torch.ops.taps.select_subtree(t.parents, t.depth, t.num_nodes, log_reach, 5, latency,
                                                              0.0, "reach", 1.0, 0.002, 0.0)
     checks = [
@@ -125,11 +126,11 @@ def test_fake_checks_reject_bad_shapes_at_trace_time():
 
 
 def _build(logits, root, weights, emb, hidden, latency):
-    """pool -> score -> select through the graph-safe wrappers; tensors out (the parts a round reads)."""
-    pool = cb.candidate_pool(logits, root, TOP_K, POOL)
-    edge_logq, other_logq, log_reach = cb.score_edges(pool, weights, emb, hidden)
-    by_reach = cb.select_subtree(pool.tree, log_reach, 6, latency=latency, t0=0.002)
-    by_utility = cb.select_subtree(pool.tree, log_reach, 5, rule="utility", lambda_depth=0.05)
+    """pool -> score -> select through the public ops as a round calls them; tensors out (the parts a round reads)."""
+    pool = taps_kernels.candidate_pool(logits, root, TOP_K, POOL, validate="none")
+    edge_logq, other_logq, log_reach = taps_kernels.score_edges(pool, weights, emb, hidden, validate="none")
+    by_reach = taps_kernels.select_subtree(pool.tree, log_reach, 6, latency=latency, t0=0.002, validate="none")
+    by_utility = taps_kernels.select_subtree(pool.tree, log_reach, 5, rule="utility", lambda_depth=0.05, validate="none")
     return (pool.tree.tokens, pool.logq, edge_logq, other_logq, log_reach, by_reach.tree.tokens,
             by_reach.tree.parents, by_reach.pool_index, by_reach.num_selected, by_utility.tree.depth,
             by_utility.pool_index)
@@ -162,7 +163,7 @@ def test_compile_fullgraph_inductor():
 @pytest.mark.skipif(torch.cuda.is_available() or not taps_kernels.backend.triton_interpreting(),
                     reason="CPU Triton dispatch needs the interpreter (TRITON_INTERPRET=1, set by conftest)")
 def test_triton_dispatch_under_taps_backend(monkeypatch):
-    """With TAPS_BACKEND=triton every custom op runs its Triton kernel (counted), as the public ops do."""
+    """With TAPS_BACKEND=triton every op runs its Triton kernel (counted), checked or not."""
     pytest.importorskip("triton")
     ops = ("topk_stats", "best_first_pool", "score_edges", "select_subtree", "reindex_subtree")
     calls = {op: 0 for op in ops}
@@ -175,46 +176,46 @@ def test_triton_dispatch_under_taps_backend(monkeypatch):
     g = torch.Generator().manual_seed(5)
     logits, root = torch.randn(2, 3, 19, generator=g), torch.tensor([4, 7])
     tiny = ScorerWeights.random(tiny=True, mlp_dim=5, generator=g)
-    pool = cb.candidate_pool(logits, root, 3, 7)
-    scores = cb.score_edges(pool, tiny)
-    sel = cb.select_subtree(pool.tree, scores[2], 4)
+    pool = taps_kernels.candidate_pool(logits, root, 3, 7, validate="none")
+    scores = taps_kernels.score_edges(pool, tiny, validate="none")
+    sel = taps_kernels.select_subtree(pool.tree, scores[2], 4, validate="none")
     assert calls == {op: 1 for op in ops}
     want_pool = taps_kernels.candidate_pool(logits, root, 3, 7)
     want_scores = taps_kernels.score_edges(want_pool, tiny)
     _assert_pool_equal(pool, want_pool)
     _assert_all_equal(scores, want_scores)
     _assert_selection_equal(sel, taps_kernels.select_subtree(want_pool.tree, want_scores[2], 4))
-    assert calls == {op: 2 for op in ops}, "the public ops must have run the same Triton kernels"
+    assert calls == {op: 2 for op in ops}, "the checked calls must have run the same Triton kernels"
 
 
-def test_wrapper_errors_name_the_argument():
+def test_metadata_errors_name_the_argument_without_value_checks():
     logits, root, full, tiny, emb, hidden, _ = _case(6)
     with pytest.raises(ValueError, match="pool_size"):
-        cb.candidate_pool(logits, root, TOP_K, 0)
+        taps_kernels.candidate_pool(logits, root, TOP_K, 0, validate="none")
     with pytest.raises(TypeError, match="root_tokens"):
-        cb.candidate_pool(logits, root.int(), TOP_K, 5)
+        taps_kernels.candidate_pool(logits, root.int(), TOP_K, 5, validate="none")
     with pytest.raises(ValueError, match="draft_logits"):
-        cb.candidate_pool(logits.requires_grad_(), root, TOP_K, 5)
+        taps_kernels.candidate_pool(logits.requires_grad_(), root, TOP_K, 5, validate="none")
     logits.requires_grad_(False)
     with pytest.raises(ValueError, match=r"vocab_ids: expected shape"):
-        cb.candidate_pool(logits, root, TOP_K, 5, vocab_ids=torch.arange(V - 1))
+        taps_kernels.candidate_pool(logits, root, TOP_K, 5, vocab_ids=torch.arange(V - 1), validate="none")
     with pytest.raises(TypeError, match="vocab_ids: expected dtype"):
-        cb.candidate_pool(logits, root, TOP_K, 5, vocab_ids=torch.arange(V, dtype=torch.int32))
-    pool = cb.candidate_pool(logits, root, TOP_K, 5)
+        taps_kernels.candidate_pool(logits, root, TOP_K, 5, vocab_ids=torch.arange(V, dtype=torch.int32), validate="none")
+    pool = taps_kernels.candidate_pool(logits, root, TOP_K, 5, validate="none")
     with pytest.raises(ValueError, match="token_embeddings"):
-        cb.score_edges(pool, full, emb[:, :3], hidden)
+        taps_kernels.score_edges(pool, full, emb[:, :3], hidden, validate="none")
     with pytest.raises(ValueError, match="drafter_hidden"):
-        cb.score_edges(pool, full, emb, hidden[:, :2])
+        taps_kernels.score_edges(pool, full, emb, hidden[:, :2], validate="none")
     with pytest.raises(TypeError, match="weights"):
-        cb.score_edges(pool, {"edge_ln_weight": tiny.edge_ln_weight})
-    _, _, log_reach = cb.score_edges(pool, tiny)
+        taps_kernels.score_edges(pool, {"edge_ln_weight": tiny.edge_ln_weight}, validate="none")
+    _, _, log_reach = taps_kernels.score_edges(pool, tiny, validate="none")
     with pytest.raises(ValueError, match="max_nodes"):
-        cb.select_subtree(pool.tree, log_reach, 0)
+        taps_kernels.select_subtree(pool.tree, log_reach, 0, validate="none")
     with pytest.raises(ValueError, match="rule"):
-        cb.select_subtree(pool.tree, log_reach, 3, rule="best")
+        taps_kernels.select_subtree(pool.tree, log_reach, 3, rule="best", validate="none")
     with pytest.raises(ValueError, match="lambda_node"):
-        cb.select_subtree(pool.tree, log_reach, 3, rule="utility", lambda_node=0.0)
+        taps_kernels.select_subtree(pool.tree, log_reach, 3, rule="utility", lambda_node=0.0, validate="none")
     with pytest.raises(ValueError, match="latency"):
-        cb.select_subtree(pool.tree, log_reach, 3, latency=torch.ones(4), rule="utility")
+        taps_kernels.select_subtree(pool.tree, log_reach, 3, latency=torch.ones(4), rule="utility", validate="none")
     with pytest.raises(ValueError, match="log_reach"):
-        cb.select_subtree(pool.tree, log_reach[:, :-1], 3)
+        taps_kernels.select_subtree(pool.tree, log_reach[:, :-1], 3, validate="none")

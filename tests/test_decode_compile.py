@@ -1,18 +1,16 @@
 """The round's device-side pieces trace into one graph (``torch.compile(fullgraph=True)``), as CUDA graphs need.
 
-What compiles: the ``taps::`` custom ops the loop calls (tree mask, tree attention, accept walk, KV
-compaction), the tree-building ones (top-K statistics, best-first pool, edge scoring, subtree selection and
-re-indexing, through :mod:`taps_kernels.custom_ops_tree_build`), and the loop's own device-side tree edits
-and size rule (depth cap, top-n per row, joint batch sizes, committed-token packing), and prompt lookup (history
-append, n-gram match, graft into the pool). The public
-``candidate_pool``/``score_edges``/``select_subtree`` keep their host-side dispatch and value checks; a
-traced round calls the custom-op wrappers instead.
+What compiles: the public ops the loop calls (tree mask, tree attention, accept walk, KV compaction), the
+tree-building ones (top-K statistics, best-first pool, edge scoring, subtree selection and re-indexing), each a
+``taps::`` library op in the graph, with ``validate="none"`` as the round calls them; the loop's own
+device-side tree edits and size rule (depth cap, top-n per row, joint batch sizes, committed-token packing), and
+prompt lookup (history append, n-gram match, graft into the pool).
 """
 import torch
 
 import taps_kernels
-from taps_kernels import Tree, custom_ops
-from taps_kernels import custom_ops_tree_build as tree_build
+import taps_kernels as tk
+from taps_kernels import Tree
 from taps.decode.policies.gate import batch_table, joint_sizes
 from taps.decode.tree_ops import chain_tree, keep_top, truncate_depth
 
@@ -23,11 +21,11 @@ def _tail(tokens, parents, depth, num_nodes, log_reach, caps, sizes, prefix_lens
     """Per-row top-n + depth cap, mask, attention, acceptance, compaction, packed result."""
     tree = Tree(tokens, parents, depth, num_nodes)
     tree = keep_top(tree, log_reach, sizes, caps, levels=8)
-    _, bits = custom_ops.tree_mask(tree, prefix_lens)
+    _, bits = tk.tree_mask(tree, prefix_lens, validate="none")
     N = tree.tokens.shape[1]
-    out = custom_ops.tree_attention(q[:, :, :N], keys[0], values[0], bits, prefix_lens)
-    path, acc, nxt = custom_ops.accept_greedy(tree, target[:, :N], max_depth=N - 1)
-    new_lens = custom_ops.compact_kv(keys, values, prefix_lens, path)
+    out = tk.tree_attention(q[:, :, :N], keys[0], values[0], bits, prefix_lens, validate="none")
+    path, acc, nxt = tk.accept_greedy(tree, target[:, :N], max_depth=N - 1, validate="none")
+    new_lens = tk.compact_kv(keys, values, prefix_lens, path, validate="none")
     joint, expected, _ = joint_sizes(log_reach, table, 0.05, rows=tokens.shape[0], max_nodes=8)
     return torch.cat([acc[:, None], nxt[:, None], new_lens[:, None], joint[:, None], path], 1), out, expected
 
@@ -76,11 +74,11 @@ def test_policy_chain_and_depth_cap_compile():
 def test_pool_score_select_compile_fullgraph():
     """Draft logits -> pool -> scorer -> selection -> tail of the round, one graph, equal to eager."""
     def build(logits, bonus, weights, latency, prefix_lens, target):
-        pool = tree_build.candidate_pool(logits, bonus, top_k=4, pool_size=8)
-        _, _, log_reach = tree_build.score_edges(pool, weights)
-        sel = tree_build.select_subtree(pool.tree, log_reach, 4, latency=latency, t0=0.001)
-        _, bits = custom_ops.tree_mask(sel.tree, prefix_lens)
-        path, acc, nxt = custom_ops.accept_greedy(sel.tree, target, max_depth=4)
+        pool = tk.candidate_pool(logits, bonus, top_k=4, pool_size=8, validate="none")
+        _, _, log_reach = tk.score_edges(pool, weights, validate="none")
+        sel = tk.select_subtree(pool.tree, log_reach, 4, latency=latency, t0=0.001, validate="none")
+        _, bits = tk.tree_mask(sel.tree, prefix_lens, validate="none")
+        path, acc, nxt = tk.accept_greedy(sel.tree, target, max_depth=4, validate="none")
         return sel.tree.tokens, sel.tree.parents, sel.pool_index, log_reach, bits, path, acc, nxt
 
     g = torch.Generator().manual_seed(0)

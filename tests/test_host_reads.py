@@ -30,7 +30,7 @@ import taps_kernels.ops.pool
 import taps_kernels.ops.score
 import taps_kernels.ops.select
 from helpers import random_scorer, tiny_drafter, tiny_target
-from taps_kernels import backend, custom_ops
+from taps_kernels import backend
 from taps.decode import BatchDecoder, make_policy
 from taps.decode.policies.lookup import TapsLookupPolicy
 from taps.decode.policies.taps import TapsPolicy
@@ -99,7 +99,9 @@ def counter(monkeypatch):
         return got
 
     monkeypatch.setattr(backend, "resolve", resolve)
-    for mod in (custom_ops, taps_kernels.ops.pool, taps_kernels.ops.score, taps_kernels.ops.select):
+    for mod in (taps_kernels.ops.pool, taps_kernels.ops.score, taps_kernels.ops.select, taps_kernels.ops.mask,
+                taps_kernels.ops.accept, taps_kernels.ops.kv, taps_kernels.ops.attention, taps_kernels.ops.lookup,
+                taps_kernels._library):
         if hasattr(mod, "resolve"):
             monkeypatch.setattr(mod, "resolve", resolve)
     for name in READS + ("to",):

@@ -17,7 +17,6 @@ import torch
 
 import taps_kernels as tk
 from taps_kernels import _checks, backend as bk
-from taps_kernels import custom_ops  # noqa: F401  (registers torch.ops.taps.*)
 from taps_kernels.layout import TopKStats, Tree
 
 INT64_MAX = 2 ** 63 - 1
@@ -67,10 +66,9 @@ def test_finding01_score_edges_zero_positions_refused_before_any_backend():
 
 # --------------------------------------------------------------------------------------- finding 2
 @needs_triton
-def test_finding02_custom_tree_attention_bad_prefix_and_shapes_refused_on_triton():
+def test_finding02_tree_attention_bad_prefix_and_shapes_on_triton():
     rc, out, err = in_child("""
         import os, torch, taps_kernels as tk
-        from taps_kernels import custom_ops
         os.environ["TAPS_BACKEND"] = "triton"
         g = torch.Generator().manual_seed(0)
         tree = tk.Tree(torch.zeros(2, 5, dtype=torch.int64), torch.tensor([[-1, 0, 1, 2, 3]] * 2, dtype=torch.int32),
@@ -87,17 +85,22 @@ def test_finding02_custom_tree_attention_bad_prefix_and_shapes_refused_on_triton
             "int64 bits": (q, k, v, bits.long(), plen),
         }
         for name, args in cases.items():
-            try:
-                torch.ops.taps.tree_attention(*args, None)
-                print(name, "| accepted")
-            except (ValueError, TypeError) as e:
-                print(name, "|", type(e).__name__, str(e).split(":")[0])
+            for through, call in (("op", lambda: torch.ops.taps.tree_attention(*args, None)),
+                                  ("public", lambda: tk.tree_attention(*args))):
+                try:
+                    out = call()
+                    print(name, through, "| accepted", bool(torch.isfinite(out[0] if through == "op" else out).all()))
+                except (ValueError, TypeError) as e:
+                    print(name, through, "|", type(e).__name__, str(e).split(":")[0])
     """)
     assert rc == 0, f"child died with {rc}: {err[-500:]}"
     got = dict(l.split(" | ") for l in out.strip().splitlines())
-    assert got == {"prefix past the cache": "ValueError prefix_lens[1]", "prefix int64 max": "ValueError prefix_lens[1]",
-                   "too few bit words": "ValueError ancestor_bits", "v shorter than k": "ValueError v",
-                   "k batch mismatch": "ValueError k", "int64 bits": "TypeError ancestor_bits"}, out
+    shapes = {"too few bit words": "ValueError ancestor_bits", "v shorter than k": "ValueError v",
+              "k batch mismatch": "ValueError k", "int64 bits": "TypeError ancestor_bits"}
+    # Refused by the op itself (on CPU its default value checks run) and by the public op, with the same message.
+    shapes.update({name: "ValueError prefix_lens[1]" for name in ("prefix past the cache", "prefix int64 max")})
+    want = {f"{name} {through}": why for name, why in shapes.items() for through in ("op", "public")}
+    assert got == want, out
 
 
 # --------------------------------------------------------------------------------------- finding 3
@@ -425,10 +428,15 @@ def _stub_backends(monkeypatch, seen):
                 B, D, _ = args[0].shape
                 z = torch.zeros(B, D)
                 return torch.zeros(B, D, args[1]), torch.zeros(B, D, args[1], dtype=torch.int64), z, z, z
+            if op == "select_subtree":  # the re-index op checks the selection's metadata
+                B = args[0].shape[0]
+                return torch.zeros(B, args[4] + 1, dtype=torch.int64), torch.zeros(B, dtype=torch.int32)
             return torch.zeros(1) if n == 0 else tuple(torch.zeros(1) for _ in range(n))
         return backend or "stub", stub
+    import taps_kernels._library as library
     for mod in ("pool", "accept", "attention", "kv", "linear", "mask", "reach", "score", "select"):
         monkeypatch.setattr(getattr(ops_pkg, mod), "resolve", resolve)
+    monkeypatch.setattr(library, "resolve", resolve)  # the library ops' kernels choose through it
 
 
 def test_value_checks_never_read_device_data_by_default_off_cpu(monkeypatch):

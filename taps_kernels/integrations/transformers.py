@@ -24,8 +24,8 @@ How to verify a tree with an HF target::
 
 Inside each attention layer the tree's N queries attend to the ``L = prefix_len + N`` keys that the
 cache returns (the prefix, then the N tree rows just appended) through
-:func:`taps_kernels.custom_ops.tree_attention` (the ``taps::tree_attention`` op: the Triton kernel on
-CUDA, the cpp/reference backend on CPU; usable under ``torch.compile``): prefix keys are visible,
+:func:`taps_kernels.tree_attention` without value checks (the ``taps::tree_attention`` op: the Triton
+kernel on CUDA, the cpp/reference backend on CPU; usable under ``torch.compile``): prefix keys are visible,
 tree key j is visible to node i iff bit j of ``ancestor_bits[b, i]`` is set. Position ids must be
 ``prefix_lens + depth`` (:func:`tree_forward_inputs` returns them). After acceptance, crop/compact the
 cache with :func:`taps_kernels.compact_kv` on the per-layer key/value tensors.
@@ -53,9 +53,9 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .. import custom_ops
 from .._checks import check_tensor
 from ..layout import Tree
+from ..ops import attention
 
 ATTN_IMPLEMENTATION = "taps_tree"
 """Name under which the tree attention is registered (``attn_implementation="taps_tree"``)."""
@@ -197,7 +197,7 @@ def taps_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     # key/value are what the cache returned: with a preallocated cache, strided views of its buffers. The
     # kernels read them in place through their strides (copying a layer's cache here would cost more than
     # the attention itself).
-    out = custom_ops.tree_attention(query, key, value, meta.ancestor_bits, prefix_lens, scale=scaling)
+    out = attention.tree_attention(query, key, value, meta.ancestor_bits, prefix_lens, scale=scaling, validate="none")
     return out.transpose(1, 2).contiguous(), None
 
 

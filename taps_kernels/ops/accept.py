@@ -5,9 +5,59 @@ from typing import Optional
 
 import torch
 
-from .._checks import MAX_COUNT, check_data_device, check_int, check_nonempty, check_output_size, check_tensor
+from .._checks import (MAX_COUNT, check_data_device, check_int, check_nonempty, check_output_size, check_tensor,
+                       check_tree_tensors, first_index, values_checked)
+from .._library import backend_for, define, fresh, values_asked
 from ..backend import resolve
 from ..layout import Tree, validate_tree
+
+
+def _accept_meta(tokens, parents, num_nodes, target_tokens, path_len) -> int:
+    check_tensor("tokens", tokens, dtypes=(torch.int64,), ndim=2)
+    B, N = check_tree_tensors(tokens, parents, None, num_nodes)
+    check_tensor("target_tokens", target_tokens, dtypes=(torch.int64,), shape=(B, N), device=parents.device)
+    check_int("path_len", path_len, minimum=1, maximum=MAX_COUNT)
+    check_output_size("path_len", path_len, B * path_len * 8, parents.device)
+    return B
+
+
+def _check_walk_structure(parents: torch.Tensor, num_nodes: torch.Tensor) -> None:
+    """What the walk indexes with (it reads no depth): ``num_nodes`` in ``[1, N]``, real parents before children."""
+    B, N = parents.shape
+    nn = num_nodes.long()
+    bad = (nn < 1) | (nn > N)
+    if bool(bad.any()):
+        (b,) = first_index(bad)
+        raise ValueError(f"tree.num_nodes[{b}]: expected a value in [1, {N}], received {int(nn[b])}")
+    idx = torch.arange(N, device=parents.device)
+    nonroot = (idx[None, :] < nn[:, None]) & (idx[None, :] > 0)
+    bad = nonroot & ((parents < 0) | (parents >= idx[None, :]))
+    if bool(bad.any()):
+        b, i = first_index(bad)
+        raise ValueError(f"tree.parents[{b},{i}]: parent index {int(parents[b, i])} is out of range or not smaller "
+                         f"than the child's index; expected 0 <= parent < {i}")
+
+
+def _accept_kernel(tokens, parents, num_nodes, target_tokens, path_len, backend=None, validate=None):
+    args = (tokens, parents, num_nodes, target_tokens, path_len)
+    check = values_asked(validate, parents)
+    name, fn = backend_for("accept_greedy", backend, parents, _accept_meta, args, check)
+    if check:
+        _check_walk_structure(parents, num_nodes)
+    return fresh(fn(*args), args[:4], name)
+
+
+def _accept_fake(tokens, parents, num_nodes, target_tokens, path_len, backend=None, validate=None):
+    B = _accept_meta(tokens, parents, num_nodes, target_tokens, path_len)
+    return tokens.new_empty((B, path_len)), tokens.new_empty((B,)), tokens.new_empty((B,))
+
+
+accept_greedy_op = define("accept_greedy(Tensor tokens, Tensor parents, Tensor num_nodes, Tensor target_tokens, "
+                          "int path_len, str? backend=None, str? validate=None) -> (Tensor, Tensor, Tensor)",
+                          _accept_kernel, _accept_fake)
+"""``taps::accept_greedy``: ``tokens/target_tokens [B,N] int64``, ``parents [B,N] int32``, ``num_nodes [B] int32``,
+``path_len`` in ``[1, 2**31 - 2]`` -> ``(path [B,path_len], accept_len [B], next_token [B])`` int64; checks
+metadata, then the structure the walk reads (``num_nodes`` range, parents before children) as ``validate`` says."""
 
 
 def accept_greedy(tree: Tree, target_tokens: torch.Tensor, max_depth: Optional[int] = None,
@@ -27,6 +77,8 @@ def accept_greedy(tree: Tree, target_tokens: torch.Tensor, max_depth: Optional[i
         ``accept_len [B] int64`` accepted nodes, root counted (tokens committed this round: tau),
         ``next_token [B] int64`` the target's token at the last accepted node (the next round's bonus).
     """
+    # The whole tree's structure here (the op sees no depth and checks only what the walk reads); then the op runs
+    # without checking it again.
     validate_tree(tree, "tree", validate=validate)
     check_data_device("tree.tokens", tree.tokens)
     check_nonempty("tree.tokens", tree.tokens, [(0, "tree (batch row)")])
@@ -36,6 +88,5 @@ def accept_greedy(tree: Tree, target_tokens: torch.Tensor, max_depth: Optional[i
         max_depth = int(tree.depth.max())
     max_depth = check_int("max_depth", max_depth, minimum=0, maximum=MAX_COUNT - 1)
     check_output_size("max_depth", max_depth, B * (max_depth + 1) * 8, tree.device)
-    _, fn = resolve("accept_greedy", backend, tree.device)
-    return fn(tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(),
-              target_tokens.contiguous(), max_depth + 1)
+    return accept_greedy_op(tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(),
+                            target_tokens.contiguous(), max_depth + 1, backend, "none")

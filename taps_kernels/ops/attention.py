@@ -6,7 +6,8 @@ from typing import Optional
 import torch
 
 from .._checks import (FLOAT_DTYPES, check_data_device, check_float, check_prefix_lens, check_tensor,
-                       differentiable_backend, values_checked)
+                       differentiable_backend, grad_needed, values_checked)
+from .._library import define, fresh
 from ..backend import resolve
 
 
@@ -14,7 +15,7 @@ def check_tree_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               prefix_lens: torch.Tensor, check_values: bool):
     """Metadata checks of :func:`tree_attention` (and, with ``check_values``, the prefix bounds); -> ``(B, Hq, N, Dh, L)``.
 
-    Shared with the ``taps::tree_attention`` custom op, which runs it inside its kernel call.
+    Shared with the ``taps::tree_attention`` op, which runs it (metadata only) inside its kernel call.
     """
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
     B, Hq, N, Dh = q.shape
@@ -61,14 +62,39 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ancestor_b
     """
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
     check_data_device("q", q)
-    B, Hq, N, Dh, L = check_tree_attention_args(q, k, v, ancestor_bits, prefix_lens,
-                                                check_values=values_checked(validate, q.device))
+    B, Hq, N, Dh, L = check_tree_attention_args(q, k, v, ancestor_bits, prefix_lens, check_values=False)
     if scale is not None:
         scale = check_float("scale", scale)
     backend = differentiable_backend("tree_attention", backend, [("q", q), ("k", k), ("v", v)])
     if B == 0 or N == 0:
         out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, N), dtype=torch.float32)
         return (out, lse) if return_lse else out
-    _, fn = resolve("tree_attention", backend, q.device)
-    out, lse = fn(q, k, v, ancestor_bits.contiguous(), prefix_lens.long().contiguous(), scale)
+    args = (q, k, v, ancestor_bits.contiguous(), prefix_lens.long().contiguous(), scale)
+    if grad_needed((q, k, v)) is not None:  # autograd runs through the reference's torch ops (the op has no backward)
+        check_tree_attention_args(*args[:5], check_values=values_checked(validate, q.device))
+        out, lse = resolve("tree_attention", backend, q.device)[1](*args)
+    else:
+        out, lse = tree_attention_op(*args, backend, validate)
     return (out, lse) if return_lse else out
+
+
+def _tree_attention_kernel(q, k, v, ancestor_bits, prefix_lens, scale=None, backend=None, validate=None):
+    check_tree_attention_args(q, k, v, ancestor_bits, prefix_lens,
+                              check_values=isinstance(q, torch.Tensor) and values_checked(validate, q.device))
+    ancestor_bits, prefix_lens = ancestor_bits.contiguous(), prefix_lens.contiguous()  # the kernels read them flat
+    out = resolve("tree_attention", backend, q.device)[1](q, k, v, ancestor_bits, prefix_lens, scale)
+    return fresh(out, (q, k, v, ancestor_bits, prefix_lens))
+
+
+def _tree_attention_fake(q, k, v, ancestor_bits, prefix_lens, scale=None, backend=None, validate=None):
+    B, Hq, N, _, _ = check_tree_attention_args(q, k, v, ancestor_bits, prefix_lens, check_values=False)
+    return q.new_empty(q.shape).contiguous(), q.new_empty((B, Hq, N), dtype=torch.float32)
+
+
+tree_attention_op = define("tree_attention(Tensor q, Tensor k, Tensor v, Tensor ancestor_bits, Tensor prefix_lens, "
+                           "float? scale=None, str? backend=None, str? validate=None) -> (Tensor, Tensor)", _tree_attention_kernel,
+                           _tree_attention_fake)
+"""``taps::tree_attention``: ``q [B,Hq,N,Dh]``, ``k/v [B,Hkv,L,Dh]``, ``ancestor_bits [B,N,W] int32``,
+``prefix_lens [B] int64`` (``N >= 1``) -> ``(out [B,Hq,N,Dh] q.dtype, lse [B,Hq,N] float32)``; checks metadata,
+then ``prefix_lens`` bounds as ``validate`` says (without them, on CUDA, the kernel clamps key positions). No
+backward."""

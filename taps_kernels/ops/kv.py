@@ -7,6 +7,7 @@ import torch
 
 from .._checks import (FLOAT_DTYPES, check_data_device, check_nonempty, check_not_grad_tracked, check_prefix_lens,
                        check_tensor, check_writable_disjoint, first_index, values_checked)
+from .._library import define
 from ..backend import resolve
 
 
@@ -39,7 +40,8 @@ def check_compact_kv_args(keys, values, prefix_lens, path, validate,
     """Every check of :func:`compact_kv`; -> ``(B, L, prefix_lens as int64)``.
 
     ``validate``: a mode (see :func:`compact_kv`) or a bool saying whether the value checks run; ``storage=False``
-    skips the memory-overlap checks (fake tensors have no addresses). Shared with the ``taps::compact_kv`` custom op.
+    skips the memory-overlap checks (the public op leaves them to the op's kernel; fake tensors have no addresses).
+    Shared with the ``taps::compact_kv`` op.
     """
     if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)):
         raise TypeError(f"keys/values: expected lists of tensors, received {type(keys).__name__}/{type(values).__name__}")
@@ -52,8 +54,12 @@ def check_compact_kv_args(keys, values, prefix_lens, path, validate,
     B, _, L, _ = ref.shape
     check_values = validate if isinstance(validate, bool) else values_checked(validate, ref.device)
     named = [(f"{name}[{i}]", t) for name, group in (("keys", keys), ("values", values)) for i, t in enumerate(group)]
-    for name, t in named:
-        check_tensor(name, t, dtypes=FLOAT_DTYPES, shape=(B, None, L, None), device=ref.device)
+    dev = ref.device
+    # one pass of cheap attribute reads; the named check (and its message) only when something is off
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] == B and t.shape[2] == L
+               and t.device == dev and t.dtype in FLOAT_DTYPES for _, t in named):
+        for name, t in named:
+            check_tensor(name, t, dtypes=FLOAT_DTYPES, shape=(B, None, L, None), device=dev)
     # A tensor listed twice, or two overlapping ones, would be moved twice by a sequential backend and once by a
     # parallel one; a broadcast (stride 0) dimension would receive several rows in one place.
     if storage:
@@ -85,8 +91,41 @@ def compact_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], pre
         ``new_lens [B] int64 = prefix_lens + accept_len``; rows past it are stale and should be cropped.
     Everything is validated before the first write, so a rejected call leaves the cache untouched.
     """
-    B, L, prefix_lens = check_compact_kv_args(keys, values, prefix_lens, path, validate)
-    check_not_grad_tracked([(f"{n}[{i}]", t) for n, g in (("keys", keys), ("values", values)) for i, t in enumerate(g)],
-                           "compact_kv")
-    _, fn = resolve("compact_kv", backend, keys[0].device)
-    return fn(list(keys), list(values), prefix_lens.contiguous(), path.contiguous())
+    # Every check of the cache tensors runs once, in the op's kernel (60 tensors for a 30-layer model: checking
+    # them twice cost more than the compaction). Here: the containers and int32 prefix lengths.
+    if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)):
+        raise TypeError(f"keys/values: expected lists of tensors, received {type(keys).__name__}/{type(values).__name__}")
+    for name, group in (("keys", keys), ("values", values)):
+        for i, t in enumerate(group):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}[{i}]: expected a torch.Tensor, received {type(t).__name__}")
+    if isinstance(prefix_lens, torch.Tensor) and prefix_lens.dtype == torch.int32:
+        prefix_lens = prefix_lens.long()
+    if isinstance(path, torch.Tensor):
+        path = path.contiguous()
+    return compact_kv_op(list(keys), list(values), prefix_lens, path, backend, validate)
+
+
+def _compact_kv_kernel(keys, values, prefix_lens, path, backend=None, validate=None):
+    check_tensor("path", path, dtypes=(torch.int64,), ndim=2)
+    check_data_device("path", path)
+    name, fn = resolve("compact_kv", backend, path.device)
+    # The C++ entry checks the same metadata, overlap, grad rule and path bounds itself before any write (with the
+    # same argument names): the Python checks run for the other backends, or when the value checks are asked for.
+    if name != "cpp" or values_checked(validate, path.device):
+        check_compact_kv_args(keys, values, prefix_lens, path, validate)
+        check_not_grad_tracked([(f"{n}[{i}]", t) for n, g in (("keys", keys), ("values", values))
+                                for i, t in enumerate(g)], "compact_kv")
+    return fn(list(keys), list(values), prefix_lens.contiguous(), path)
+
+
+def _compact_kv_fake(keys, values, prefix_lens, path, backend=None, validate=None):
+    check_compact_kv_args(keys, values, prefix_lens, path, False, storage=False)
+    return path.new_empty((path.shape[0],))
+
+
+compact_kv_op = define("compact_kv(Tensor(a!)[] keys, Tensor(b!)[] values, Tensor prefix_lens, Tensor path, "
+                       "str? backend=None, str? validate=None) -> Tensor", _compact_kv_kernel, _compact_kv_fake)
+"""``taps::compact_kv``: in place on every ``[B,H,L,Dh]`` tensor of ``keys``/``values``; ``prefix_lens [B] int64``,
+``path [B,P] int64`` -> ``new_lens [B] int64``. Checks metadata and that no two cache tensors share memory, then
+the values as ``validate`` says (:mod:`taps_kernels._checks`: by default on CPU tensors), before any write."""

@@ -6,10 +6,42 @@ from typing import Optional
 import torch
 
 from .._checks import (INT64_MAX, check_data_device, check_int, check_nonempty, check_output_size,
-                       check_prefix_lens, check_tensor, first_index, values_checked)
+                       check_prefix_lens, check_tensor, check_tree_tensors, first_index, values_checked)
+from .._library import backend_for, define, fresh, values_asked
 from ..backend import resolve
 from ..layout import Tree, validate_tree
 from ..reference.attention import tree_visibility
+
+
+def _tree_mask_meta(parents, depth, num_nodes, prefix_lens):
+    check_tensor("depth", depth, dtypes=(torch.int32,), ndim=2)
+    B, N = check_tree_tensors(None, parents, depth, num_nodes)
+    check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64,), shape=(B,), device=parents.device)
+    return B, N
+
+
+def _tree_mask_kernel(parents, depth, num_nodes, prefix_lens, backend=None, validate=None):
+    args = (parents, depth, num_nodes, prefix_lens)
+    check = values_asked(validate, parents)
+    name, fn = backend_for("tree_mask", backend, parents, _tree_mask_meta, args, check)
+    if check:
+        B, N = parents.shape
+        validate_tree(Tree(parents.new_zeros((B, N), dtype=torch.int64), parents, depth, num_nodes), "tree", deep=True)
+        check_prefix_lens(prefix_lens, B, parents.device)
+        check_positions_fit(prefix_lens, depth)
+    return fresh(fn(*args), args, name)
+
+
+def _tree_mask_fake(parents, depth, num_nodes, prefix_lens, backend=None, validate=None):
+    B, N = _tree_mask_meta(parents, depth, num_nodes, prefix_lens)
+    return (parents.new_empty((B, N), dtype=torch.int64), parents.new_empty((B, N, (N + 31) // 32), dtype=torch.int32))
+
+
+tree_mask_op = define("tree_mask(Tensor parents, Tensor depth, Tensor num_nodes, Tensor prefix_lens, str? backend=None, "
+                      "str? validate=None) -> (Tensor, Tensor)", _tree_mask_kernel, _tree_mask_fake)
+"""``taps::tree_mask``: ``parents/depth [B,N] int32``, ``num_nodes [B] int32``, ``prefix_lens [B] int64`` ->
+``(position_ids [B,N] int64, ancestor_bits [B,N,ceil(N/32)] int32)``; checks metadata, then the tree's structure and
+the prefix bounds as ``validate`` says."""
 
 
 def check_positions_fit(prefix_lens: torch.Tensor, depth: torch.Tensor) -> None:
@@ -37,17 +69,14 @@ def tree_mask(tree: Tree, prefix_lens: torch.Tensor, backend: Optional[str] = No
         ``position_ids [B,N] int64 = prefix_lens + depth`` and ``ancestor_bits [B,N,ceil(N/32)] int32``
         (bit ``j%32`` of word ``j//32`` of row ``i``: node j is an ancestor of i or i itself).
     """
-    validate_tree(tree, "tree", validate=validate)
+    validate_tree(tree, "tree", deep=False)  # values: in the op, as validate says
     check_data_device("tree.tokens", tree.tokens)
     check_nonempty("tree.tokens", tree.tokens, [(0, "tree (batch row)")])
     B, N = tree.tokens.shape
     check_output_size("tree", f"{N} rows", B * N * (8 + 4 * ((N + 31) // 32)), tree.device)
-    check = values_checked(validate, tree.device)
-    prefix_lens = check_prefix_lens(prefix_lens, B, tree.device, check_values=check)
-    if check:
-        check_positions_fit(prefix_lens, tree.depth)
-    _, fn = resolve("tree_mask", backend, tree.device)
-    return fn(tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous(), prefix_lens.contiguous())
+    prefix_lens = check_prefix_lens(prefix_lens, B, tree.device, check_values=False)
+    return tree_mask_op(tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous(),
+                        prefix_lens.contiguous(), backend, validate)
 
 
 def ancestor_bits_to_additive_mask(ancestor_bits: torch.Tensor, prefix_lens: torch.Tensor, kv_len: int,

@@ -7,7 +7,8 @@ import torch
 
 from .._checks import (FLOAT_DTYPES, check_data_device, check_finite_logits, check_int, check_log_values,
                        check_no_grad, check_nonempty, check_output_size, check_tensor, differentiable_backend,
-                       first_index, values_checked)
+                       first_index, grad_needed, values_checked)
+from .._library import backend_for, define, fresh, values_asked
 from ..backend import pool_placement, resolve
 from ..layout import CandidatePool, TopKStats, Tree
 
@@ -61,20 +62,106 @@ def topk_stats(draft_logits: torch.Tensor, top_k: int, backend: Optional[str] = 
     if vocab_ids is not None:
         _check_vocab_ids(vocab_ids, draft_logits, validate)
     backend = differentiable_backend("topk_stats", backend, [("draft_logits", draft_logits)])
-    if values_checked(validate, draft_logits.device):
-        check_finite_logits("draft_logits", draft_logits)
-    _, fn = resolve("topk_stats", backend, draft_logits.device)
-    topk_logp, topk_ids, entropy, margin, topk_mass = fn(draft_logits, min(top_k, V))
-    # No possible runner-up (V = 1, or every other token -inf): margin 0 on every backend, never +inf (the
-    # scorer's LayerNorm would turn an infinite feature into NaN). The backends do so already; this keeps
-    # the guarantee for any registered implementation.
-    margin = torch.where(torch.isinf(margin), torch.zeros_like(margin), margin)
+    if grad_needed((draft_logits,)) is not None:  # autograd runs through the reference (the op has no backward)
+        if values_checked(validate, draft_logits.device):
+            check_finite_logits("draft_logits", draft_logits)
+        out = _topk_stats(resolve("topk_stats", backend, draft_logits.device)[1], draft_logits, min(top_k, V))
+    else:
+        out = topk_stats_op(draft_logits, top_k, backend, validate)
+    topk_logp, topk_ids, entropy, margin, topk_mass = out
     if vocab_ids is not None:  # sorted ids: column order is token order, so ties already fell to the smaller id
         topk_ids = vocab_ids[topk_ids]
     return TopKStats(topk_logp, topk_ids, entropy, margin, topk_mass)
 
 
+def _topk_stats(fn, draft_logits: torch.Tensor, K: int):
+    logp, ids, entropy, margin, mass = fn(draft_logits, K)
+    # No possible runner-up (V = 1, or every other token -inf): margin 0 on every backend, never +inf (the
+    # scorer's LayerNorm would turn an infinite feature into NaN). The backends do so already; this keeps
+    # the guarantee for any registered implementation.
+    margin = torch.where(torch.isinf(margin), torch.zeros_like(margin), margin)
+    return logp, ids, entropy, margin, mass
+
+
+def _topk_meta(draft_logits, top_k):
+    check_tensor("draft_logits", draft_logits, dtypes=FLOAT_DTYPES, ndim=3)
+    check_nonempty("draft_logits", draft_logits, [(0, "batch row"), (1, "draft position"), (2, "vocabulary entry")])
+    B, D, V = draft_logits.shape
+    return B, D, min(check_int("top_k", top_k), V)
+
+
+def _topk_kernel(draft_logits, top_k, backend=None, validate=None):
+    check = values_asked(validate, draft_logits)
+    name, fn = backend_for("topk_stats", backend, draft_logits, _topk_meta, (draft_logits, top_k), check)
+    if check:
+        check_finite_logits("draft_logits", draft_logits)
+    out = _topk_stats(fn, draft_logits, min(top_k, draft_logits.shape[2]))
+    return fresh(out, (draft_logits,), name)
+
+
+def _topk_fake(draft_logits, top_k, backend=None, validate=None):
+    B, D, K = _topk_meta(draft_logits, top_k)
+    f32 = dict(dtype=torch.float32)
+    return (draft_logits.new_empty((B, D, K), **f32), draft_logits.new_empty((B, D, K), dtype=torch.int64),
+            draft_logits.new_empty((B, D), **f32), draft_logits.new_empty((B, D), **f32),
+            draft_logits.new_empty((B, D), **f32))
+
+
+topk_stats_op = define("topk_stats(Tensor draft_logits, int top_k, str? backend=None, str? validate=None) -> "
+                       "(Tensor, Tensor, Tensor, Tensor, Tensor)", _topk_kernel, _topk_fake)
+"""``taps::topk_stats``: ``draft_logits [B,D,V]`` float -> ``(topk_logp [B,D,K] f32, topk_ids [B,D,K] int64,
+entropy, margin, topk_mass [B,D] f32)`` with ``K = min(top_k, V)``, column indices as ids; checks metadata, then
+the logits' values as ``validate`` says."""
+
+
 _POOL_ROW_BYTES = 8 + 4 + 4 + 4 + 4 + 4  # tokens, parents, depth, logq, step_logq, rank per node
+
+
+def _pool_meta(topk_logp, topk_ids, root_tokens, pool_size):
+    check_tensor("topk_logp", topk_logp, dtypes=(torch.float32,), ndim=3)
+    check_nonempty("topk_logp", topk_logp, [(0, "batch row"), (1, "draft position"), (2, "top-K entry")])
+    B = topk_logp.shape[0]
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int64,), shape=tuple(topk_logp.shape), device=topk_logp.device)
+    check_tensor("root_tokens", root_tokens, dtypes=(torch.int64,), shape=(B,), device=topk_logp.device)
+    pool_size = check_int("pool_size", pool_size)
+    check_output_size("pool_size", pool_size, B * (pool_size + 1) * _POOL_ROW_BYTES, topk_logp.device)
+    return B, pool_size + 1
+
+
+def _pool_kernel(topk_logp, topk_ids, root_tokens, pool_size, backend=None, validate=None):
+    _pool_meta(topk_logp, topk_ids, root_tokens, pool_size)  # also before the placement, which reads pool_size
+    if values_checked(validate, topk_logp.device):
+        check_log_values("stats.topk_logp", topk_logp)
+        for name, ids in (("stats.topk_ids", topk_ids), ("root_tokens", root_tokens)):
+            if bool((ids < 0).any()):
+                idx = first_index(ids < 0)
+                raise ValueError(f"{name}[{','.join(map(str, idx))}]: expected a token id >= 0, received {int(ids[idx])}")
+    device = topk_logp.device
+    # A host search (asked for, or a pool the device kernel cannot hold) copies the lattice there and the pool
+    # back: it compiles, but cannot be captured in a CUDA graph.
+    name, search_device = pool_placement(backend, device, pool_size)
+    fn = resolve("best_first_pool", name, search_device, pool_size=pool_size)[1]
+    out = fn(*(t.to(search_device) for t in (topk_logp, topk_ids, root_tokens)), pool_size)
+    return fresh(tuple(t.to(device) for t in out), (topk_logp, topk_ids, root_tokens))
+
+
+def _pool_fake(topk_logp, topk_ids, root_tokens, pool_size, backend=None, validate=None):
+    B, N = _pool_meta(topk_logp, topk_ids, root_tokens, pool_size)
+    i32, f32 = dict(dtype=torch.int32), dict(dtype=torch.float32)
+    return (root_tokens.new_empty((B, N)), root_tokens.new_empty((B, N), **i32),
+            root_tokens.new_empty((B, N), **i32), root_tokens.new_empty((B,), **i32),
+            topk_logp.new_empty((B, N), **f32), topk_logp.new_empty((B, N), **f32),
+            root_tokens.new_empty((B, N), **i32))
+
+
+best_first_pool_op = define("best_first_pool(Tensor topk_logp, Tensor topk_ids, Tensor root_tokens, int pool_size, "
+                            "str? backend=None, str? validate=None) -> "
+                            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+                            _pool_kernel, _pool_fake)
+"""``taps::best_first_pool``: ``topk_logp [B,D,K] f32``, ``topk_ids [B,D,K] int64``, ``root_tokens [B] int64`` ->
+``(tokens [B,N] int64, parents [B,N] int32, depth [B,N] int32, num_nodes [B] int32, logq [B,N] f32,
+step_logq [B,N] f32, rank [B,N] int32)``, ``N = pool_size + 1``; checks metadata, then the lattice's values
+(log-probs, ids >= 0) as ``validate`` says."""
 
 
 def best_first_pool(stats: TopKStats, root_tokens: torch.Tensor, pool_size: int, backend: Optional[str] = None,
@@ -104,16 +191,9 @@ def best_first_pool(stats: TopKStats, root_tokens: torch.Tensor, pool_size: int,
     check_tensor("root_tokens", root_tokens, dtypes=(torch.int64,), shape=(B,), device=dev)
     check_output_size("pool_size", pool_size, B * (pool_size + 1) * _POOL_ROW_BYTES, dev)
     check_no_grad("best_first_pool", [("stats.topk_logp", stats.topk_logp)])
-    if values_checked(validate, dev):
-        check_log_values("stats.topk_logp", stats.topk_logp)
-        for name, ids in (("stats.topk_ids", stats.topk_ids), ("root_tokens", root_tokens)):
-            if bool((ids < 0).any()):
-                idx = first_index(ids < 0)
-                raise ValueError(f"{name}[{','.join(map(str, idx))}]: expected a token id >= 0, received {int(ids[idx])}")
-    _, fn = resolve("best_first_pool", backend, dev, pool_size=pool_size)
-    tokens, parents, depth, num_nodes, logq, step_logq, rank = fn(stats.topk_logp.float().contiguous(),
-                                                                  stats.topk_ids.contiguous(), root_tokens.contiguous(),
-                                                                  pool_size)
+    tokens, parents, depth, num_nodes, logq, step_logq, rank = best_first_pool_op(
+        stats.topk_logp.float().contiguous(), stats.topk_ids.contiguous(), root_tokens.contiguous(), pool_size, backend,
+        validate)
     return Tree(tokens, parents, depth, num_nodes), logq, step_logq, rank
 
 
@@ -154,17 +234,6 @@ def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k:
             raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is {where}")
     stats = topk_stats(draft_logits, top_k, backend=backend, validate=validate, vocab_ids=vocab_ids)
     # The lattice comes from checked (or, under validate="none" / on a GPU, trusted) logits: no second scan.
-    validate = "none"
-    pool_device = stats.topk_logp.device
-    pool_backend, search_device = pool_placement(pool_backend, pool_device, pool_size)
-    if search_device != pool_device:
-        stats_host = TopKStats(*(t.cpu() for t in (stats.topk_logp, stats.topk_ids, stats.entropy, stats.margin,
-                                                   stats.topk_mass)))
-        tree, logq, step_logq, rank = best_first_pool(stats_host, root_tokens.cpu(), pool_size, backend=pool_backend,
-                                                       validate=validate)
-        tree, logq, step_logq, rank = tree.to(pool_device), logq.to(pool_device), step_logq.to(pool_device), rank.to(pool_device)
-    else:
-        tree, logq, step_logq, rank = best_first_pool(stats, root_tokens, pool_size, backend=pool_backend,
-                                                       validate=validate)
+    tree, logq, step_logq, rank = best_first_pool(stats, root_tokens, pool_size, backend=pool_backend, validate="none")
     return CandidatePool(tree, logq, step_logq, rank, stats.topk_logp, stats.topk_ids, stats.entropy, stats.margin,
                          stats.topk_mass)

@@ -1,12 +1,13 @@
 """Subtree selection: keep a prefix-closed subtree of the pool, by reach, throughput or published utility."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from .._checks import (FLOAT_DTYPES, check_data_device, check_float, check_int, check_log_values, check_nonempty,
-                       check_output_size, check_tensor, first_index, values_checked)
+                       check_output_size, check_tensor, check_tree_tensors, first_index, values_checked)
+from .._library import backend_for, define, fresh, values_asked
 from ..backend import has_impl, resolve
 from ..layout import Selection, Tree, validate_tree
 from ..reference.select import UTILITY_OPTION_DEFAULTS
@@ -103,7 +104,7 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
         :class:`Selection`: ``tree`` with ``max_nodes + 1`` rows (pool order kept, root first),
         ``pool_index [B, max_nodes+1] int64`` and ``num_selected [B] int32``.
     """
-    validate_tree(tree, "tree", validate=validate)
+    validate_tree(tree, "tree", deep=False)  # values (structure, reach, latency table): in the op, as validate says
     dev = check_data_device("tree.tokens", tree.tokens)
     check_nonempty("tree.tokens", tree.tokens, [(0, "tree (batch row)")])
     max_nodes = check_int("max_nodes", max_nodes)
@@ -118,10 +119,6 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
     min_utility = check_float("min_utility", min_utility, finite=False)
     options = _utility_options(rule, preset, dict(max_leaves=max_leaves, fill_below_threshold=fill_below_threshold,
                                                   max_children=max_children, min_nodes=min_nodes))
-    check = values_checked(validate, dev)
-    if check:
-        check_log_values("log_reach", torch.where(tree.parents >= 0, log_reach, torch.zeros_like(log_reach)),
-                         what="log reach")
     if latency is not None:
         if not isinstance(latency, torch.Tensor):
             try:
@@ -136,20 +133,109 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
         if rule != "reach":
             raise ValueError("latency: the throughput rule needs rule='reach'")
         latency = latency.to(torch.float64)
-        if values_checked(validate, latency.device):
-            bad = ~torch.isfinite(latency) | (latency + t0 <= 0)
-            if bool(bad.any()):
-                (n,) = first_index(bad)
-                raise ValueError(f"latency[{n}]: expected finite seconds with t0 + latency[n] > 0, received "
-                                 f"{float(latency[n])} (t0={t0})")
-    # Options off their default travel as the call context (backends that lack them decline it) and as kwargs.
-    name, fn = resolve("select_subtree", backend, tree.device, **options)
-    pool_index, num_selected = fn(tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous(),
-                                  log_reach.float().contiguous(), max_nodes, latency, float(t0), rule,
-                                  float(lambda_node), float(lambda_depth), float(min_utility), **options)
+    parents, depth, num_nodes = tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous()
+    if latency is not None:
+        latency = latency.to(dev)
+    pool_index, num_selected = select_subtree_op(parents, depth, num_nodes, log_reach.float().contiguous(), max_nodes,
+                                                 latency, float(t0), rule, float(lambda_node), float(lambda_depth),
+                                                 float(min_utility), backend=backend, validate=validate, **options)
     # Re-index with the same backend when it has a re-indexer (cpp, triton); else the torch version (any device).
-    _, reindex = resolve("reindex_subtree", name if has_impl("reindex_subtree", name) else "reference", tree.device)
-    tokens, parents, depth, num_nodes = reindex(tree.tokens.contiguous(), tree.parents.contiguous(),
-                                                tree.depth.contiguous(), tree.num_nodes.contiguous(), pool_index,
-                                                num_selected)
-    return Selection(Tree(tokens, parents, depth, num_nodes), pool_index, num_selected)
+    reindex_backend = backend if backend is None or has_impl("reindex_subtree", backend) else "reference"
+    sub = reindex_subtree_op(tree.tokens.contiguous(), parents, depth, num_nodes, pool_index, num_selected,
+                             reindex_backend)
+    return Selection(Tree(*sub), pool_index, num_selected)
+
+
+def _select_meta(parents, depth, num_nodes, log_reach, max_nodes, latency, rule) -> Tuple[int, int]:
+    B, N = check_tree_tensors(None, parents, depth, num_nodes)
+    check_nonempty("parents", parents, [(0, "tree (batch row)")])
+    check_tensor("log_reach", log_reach, dtypes=(torch.float32,), shape=(B, N), device=parents.device)
+    max_nodes = check_int("max_nodes", max_nodes)
+    check_output_size("max_nodes", max_nodes, B * (max_nodes + 1) * (8 + 8 + 4 + 4), parents.device)
+    if not isinstance(rule, str) or rule not in RULES:
+        raise ValueError(f"rule: expected one of {RULES}, received {rule!r}")
+    if latency is not None:
+        check_tensor("latency", latency, dtypes=(torch.float64,), ndim=1, device=parents.device)
+        check_nonempty("latency", latency, [(0, "table entry")])
+        if rule != "reach":
+            raise ValueError("latency: the throughput rule needs rule='reach'")
+    return B, max_nodes + 1
+
+
+def _select_values(parents, depth, num_nodes, log_reach, latency, t0) -> None:
+    B, N = parents.shape
+    validate_tree(Tree(parents.new_zeros((B, N), dtype=torch.int64), parents, depth, num_nodes), "tree", deep=True)
+    check_log_values("log_reach", torch.where(parents >= 0, log_reach, torch.zeros_like(log_reach)), what="log reach")
+    if latency is not None:
+        bad = ~torch.isfinite(latency) | (latency + t0 <= 0)
+        if bool(bad.any()):
+            (n,) = first_index(bad)
+            raise ValueError(f"latency[{n}]: expected finite seconds with t0 + latency[n] > 0, received "
+                             f"{float(latency[n])} (t0={t0})")
+
+
+def _select_kernel(parents, depth, num_nodes, log_reach, max_nodes, latency, t0, rule, lambda_node, lambda_depth,
+                   min_utility, max_leaves=None, fill_below_threshold=False, max_children=None, min_nodes=0,
+                   backend=None, validate=None):
+    given = dict(max_leaves=max_leaves, fill_below_threshold=fill_below_threshold, max_children=max_children,
+                 min_nodes=min_nodes)
+    # Options off their default travel as the call context (backends that lack them decline it) and as kwargs.
+    options = {k: v for k, v in given.items() if v != UTILITY_OPTION_DEFAULTS[k]}
+    check = values_asked(validate, parents)
+    name, fn = backend_for("select_subtree", backend, parents, _select_meta,
+                           (parents, depth, num_nodes, log_reach, max_nodes, latency, rule), check, **options)
+    if check:
+        _select_values(parents, depth, num_nodes, log_reach, latency, t0)
+    out = fn(parents, depth, num_nodes, log_reach, max_nodes, latency, t0, rule, lambda_node, lambda_depth,
+             min_utility, **options)
+    return fresh(out, (parents, depth, num_nodes, log_reach, latency), name)
+
+
+def _select_fake(parents, depth, num_nodes, log_reach, max_nodes, latency, t0, rule, lambda_node, lambda_depth,
+                 min_utility, max_leaves=None, fill_below_threshold=False, max_children=None, min_nodes=0,
+                 backend=None, validate=None):
+    B, M = _select_meta(parents, depth, num_nodes, log_reach, max_nodes, latency, rule)
+    return parents.new_empty((B, M), dtype=torch.int64), parents.new_empty((B,), dtype=torch.int32)
+
+
+select_subtree_op = define(
+    "select_subtree(Tensor parents, Tensor depth, Tensor num_nodes, Tensor log_reach, int max_nodes, Tensor? latency, "
+    "float t0, str rule, float lambda_node, float lambda_depth, float min_utility, int? max_leaves=None, "
+    "bool fill_below_threshold=False, int? max_children=None, int min_nodes=0, str? backend=None, str? validate=None) "
+    "-> (Tensor, Tensor)",
+    _select_kernel, _select_fake)
+"""``taps::select_subtree``: ``parents/depth [B,N] int32``, ``num_nodes [B] int32``, ``log_reach [B,N] f32``,
+``latency [L] float64`` on the tree's device or None, the rule's scalars and options as in :func:`select_subtree`
+-> ``(pool_index [B, max_nodes+1] int64 (kept pool rows ascending, -1 padded), num_selected [B] int32)``.
+Checks metadata, then the tree's structure, the reach and the latency table as ``validate`` says."""
+
+
+def _reindex_meta(tokens, parents, depth, num_nodes, pool_index, num_selected) -> Tuple[int, int]:
+    B, _ = check_tree_tensors(tokens, parents, depth, num_nodes)
+    check_nonempty("parents", parents, [(0, "tree (batch row)")])
+    check_tensor("pool_index", pool_index, dtypes=(torch.int64,), shape=(B, None), device=parents.device)
+    check_nonempty("pool_index", pool_index, [(1, "row (the root)")])
+    check_tensor("num_selected", num_selected, dtypes=(torch.int32,), shape=(B,), device=parents.device)
+    return B, pool_index.shape[1]
+
+
+def _reindex_kernel(tokens, parents, depth, num_nodes, pool_index, num_selected, backend=None):
+    args = (tokens, parents, depth, num_nodes, pool_index, num_selected)
+    name, fn = backend_for("reindex_subtree", backend, parents, _reindex_meta, args)
+    return fresh(fn(*args), args, name)
+
+
+def _reindex_fake(tokens, parents, depth, num_nodes, pool_index, num_selected, backend=None):
+    B, M = _reindex_meta(tokens, parents, depth, num_nodes, pool_index, num_selected)
+    i32 = torch.int32
+    return (tokens.new_empty((B, M)), parents.new_empty((B, M), dtype=i32), parents.new_empty((B, M), dtype=i32),
+            parents.new_empty((B,), dtype=i32))
+
+
+reindex_subtree_op = define(
+    "reindex_subtree(Tensor tokens, Tensor parents, Tensor depth, Tensor num_nodes, Tensor pool_index, "
+    "Tensor num_selected, str? backend=None) -> (Tensor, Tensor, Tensor, Tensor)", _reindex_kernel, _reindex_fake)
+"""``taps::reindex_subtree``: the pool tree (``[B,N]``), ``pool_index [B,M] int64`` (ascending, -1 padded) and
+``num_selected [B] int32`` of ``taps::select_subtree`` -> the kept subtree ``(tokens [B,M] int64, parents [B,M]
+int32, depth [B,M] int32, num_nodes [B] int32)``, pool order kept, root first. Trusts ``pool_index`` to be a
+prefix-closed selection of real pool rows (as ``taps::select_subtree`` gives)."""

@@ -24,7 +24,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases  # noqa: E402
-from taps_kernels import custom_ops  # noqa: E402,F401  (registers torch.ops.taps.*)
 from taps_kernels.backend import BackendUnavailable  # noqa: E402
 
 CLEAN = (ValueError, TypeError)

@@ -18,9 +18,10 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+import taps_kernels
 from taps_kernels import Tree
 
-from . import kernels
+from .tree_ops import IN_ROUND
 from .verifier import CacheVerifier
 
 
@@ -85,7 +86,7 @@ class GGUFVerifier(CacheVerifier):
         """See :meth:`CacheVerifier.verify_batch` (``chain`` changes nothing here: the mask costs ~us)."""
         B, N, _ = self._tree_rows(tree, rows)
         prefix = self.lengths[:B]
-        position_ids, bits = kernels.tree_mask(tree, prefix)
+        position_ids, bits = taps_kernels.tree_mask(tree, prefix, validate=IN_ROUND)
         logits, feats = self._forward(tree.tokens.contiguous(), position_ids.contiguous(), prefix.contiguous(),
                                       torch.arange(B, dtype=torch.int64), bits.contiguous(),
                                       torch.arange(B * N, dtype=torch.int64))

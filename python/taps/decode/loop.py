@@ -38,16 +38,16 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
+import taps_kernels
 from taps_kernels import Tree
 
-from . import kernels
 from .lookup import TokenHistory
 from .policies.base import BuiltTree, TreePolicy
 from .readout import HostReadout, RoundReadout
 from .sampling import SamplingConfig, choose_tokens, processed_probs
 from .stats import BUILD_STAGES, GenerationStats, RoundStats
 from .timing import RoundClock, StageTimer
-from .tree_ops import pad_tree, root_only_tree, slice_tree, truncate_depth  # noqa: F401  (truncate_depth: API)
+from .tree_ops import IN_ROUND, pad_tree, root_only_tree, slice_tree, truncate_depth  # noqa: F401  (truncate_depth: API)
 from .verifier import make_verifier
 
 #: Largest batch a decoder accepts by default (rows preallocated in the caches).
@@ -445,7 +445,8 @@ class BatchDecoder:
             accept_len = torch.ones(B, dtype=torch.int64, device=dev)
             next_token = target_tokens[:, 0]
         else:
-            path, accept_len, next_token = kernels.accept_greedy(tree, target_tokens, max_depth=P - 1)
+            path, accept_len, next_token = taps_kernels.accept_greedy(tree, target_tokens, max_depth=P - 1,
+                                                                             validate=IN_ROUND)
         accept_len = torch.where(active, accept_len, torch.zeros_like(accept_len))
         keep = active[:, None] | (torch.arange(P, device=dev) == 0)[None, :]
         path = torch.where(keep, path, torch.full_like(path, -1))

@@ -28,11 +28,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+import taps_kernels
 from taps_kernels import Tree
 from taps_kernels.integrations import transformers as taps_hf
-
-from . import kernels
 from taps_kernels.reference.attention import tree_visibility
+
+from .tree_ops import IN_ROUND
 
 try:
     from transformers.cache_utils import DynamicLayer as _DynamicLayer
@@ -214,7 +215,8 @@ class CacheVerifier:
         """
         B = path.shape[0]
         if moves:
-            kernels.compact_kv([k[:B] for k in self.keys], [v[:B] for v in self.values], self.lengths[:B], path)
+            taps_kernels.compact_kv([k[:B] for k in self.keys], [v[:B] for v in self.values], self.lengths[:B], path,
+                                    validate=IN_ROUND)
         self.lengths[:B] += accept_len
 
     # --- batch-1 interface (scorer traces, latency calibration) -------------------------------------------------
@@ -334,7 +336,7 @@ class TargetVerifier(CacheVerifier):
         if causal:
             position_ids, bits = prefix[:, None] + torch.arange(N, device=self.device), None
         else:
-            position_ids, bits = kernels.tree_mask(tree, prefix)
+            position_ids, bits = taps_kernels.tree_mask(tree, prefix, validate=IN_ROUND)
         self._rows, self._kv_len, self._past = B, kv_len, kv_len - N
         self._write_index = (prefix[:, None] + torch.arange(N, device=self.device))[:, None, :, None].expand(
             B, self.kv_heads, N, self.head_dim)

@@ -30,11 +30,7 @@ import torch
 
 from taps_kernels import Tree
 
-from ..tree_ops import chain_tree, root_only_tree  # noqa: F401  (re-exported: policies build these)
-
-#: ``validate=`` of the public ops a policy calls inside a round: their inputs are the loop's own draft and
-#: trees, so the value checks would find nothing (and on a GPU they would synchronise the device)
-IN_ROUND = "none"
+from ..tree_ops import IN_ROUND, chain_tree, root_only_tree  # noqa: F401  (re-exported: policies build these)
 
 
 class PolicyError(ValueError):
