@@ -1,5 +1,5 @@
-"""CPU microbenchmark of candidate_pool (top-K pass and best-first search timed apart) and select_subtree:
-PyTorch reference vs the C++ backend.
+"""CPU microbenchmark of candidate_pool (top-K pass and best-first search timed apart), select_subtree and
+select_throughput (the policies' batch size rule): PyTorch reference vs the C++ backend.
 
 Three kinds of numbers, kept apart on purpose:
 
@@ -13,9 +13,12 @@ Three kinds of numbers, kept apart on purpose:
   difference is time spent waiting for a core.
 * The top-K pass (``topk_stats``: log-softmax, top-K, entropy over the whole vocabulary) has no raw
   column: most of it is ATen's log-softmax, and the targets exclude it.
+* ``select_throughput`` has no public op: its ``*_op_us`` columns call the registered implementations directly
+  (the reference, and the C++ wrapper with its argument checks), on 64-node pools of 1, 4 and 16 rows.
 
 Usage: ``python bench/bench_tree_ops.py [--quick] [--threads 1] [--out bench/results/tree_ops_cpu.json]``.
-Grid: D=15, K in {8, 64}, V in {49152, 151936}, pool in {64, 256, 768, 1024}, batch 1.
+Grid: D=15, K in {8, 64}, V in {49152, 151936}, pool in {64, 256, 768, 1024}, batch 1; select_throughput:
+K=8, V=49152, pool 64, batch in {1, 4, 16}.
 """
 from __future__ import annotations
 
@@ -120,7 +123,31 @@ def run(args):
                                      ref_op_us=ref_sel, cpp_op_us=cpp_sel, cpp_raw_wall_us=wall,
                                      cpp_raw_wall_min_us=wall_min, cpp_raw_cpu_us=cpu))
             print(f"done K={K} V={V}", file=sys.stderr)
+    rows += throughput_rows(args, _C, D)
     return rows, load_before, os.getloadavg()
+
+
+def throughput_rows(args, _C, D: int, K: int = 8, V: int = 49152, pool: int = 64):
+    """``select_subtree(rule=ThroughputRule)`` rows: one joint size rule over ``B`` pools of ``pool`` nodes (the
+    policies' default budget), pool log-masses as the reach, a linear batch table; raw: the C++ kernel alone."""
+    out = []
+    for B in (1, 4, 16):
+        logits = torch.randn(B, D, V) * 4.0
+        cand = tk.candidate_pool(logits, torch.ones(B, dtype=torch.int64), K, pool, backend="cpp", pool_backend="cpp")
+        tree = cand.tree
+        table = torch.tensor([0.01 + 0.0002 * n for n in range(B * pool + 1)], dtype=torch.float64)
+        call = (tree.parents, tree.depth, tree.num_nodes, cand.logq, pool, table, 0.012, B)
+        rule = tk.ThroughputRule(table, 0.012, B)
+        # the public op (selection + re-index) as the policies call it, on each backend
+        ref_us = per_call_us(lambda: tk.select_subtree(tree, cand.logq, pool, rule=rule, backend="reference",
+                                                       validate="none"), 1, args.ref_blocks)
+        cpp_us = per_call_us(lambda: tk.select_subtree(tree, cand.logq, pool, rule=rule, backend="cpp",
+                                                       validate="none"), args.iters, args.blocks)
+        wall, wall_min, cpu = raw_us(lambda n: _C.time_select_throughput(*call, iters=n), args.blocks, args.block_us)
+        out.append(dict(op=f"select_throughput[B={B}]", K=K, V=V, pool=pool, batch=B, max_nodes=pool, ref_op_us=ref_us,
+                        cpp_op_us=cpp_us, cpp_raw_wall_us=wall, cpp_raw_wall_min_us=wall_min, cpp_raw_cpu_us=cpu))
+    print("done select_throughput", file=sys.stderr)
+    return out
 
 
 def print_table(rows):
@@ -161,22 +188,29 @@ def main():
                                                   if r["op"].startswith("select_subtree")),
         "select_subtree_1024_raw_wall_us_max": max(r["cpp_raw_wall_us"] for r in at_1024
                                                    if r["op"].startswith("select_subtree")),
+        "select_throughput_pool64_raw_cpu_us": {r["batch"]: r["cpp_raw_cpu_us"] for r in rows
+                                                if r["op"].startswith("select_throughput")},
         "target_best_first_pool_us": TARGET_POOL_US,
         "target_select_subtree_us": TARGET_SELECT_US,
     }
     print("\nraw kernel maxima at pool=1024 (us): " + ", ".join(f"{k}={v:.1f}" for k, v in summary.items()
-                                                              if not k.startswith("target")))
+                                                              if k.endswith("_max")))
+    print("select_throughput raw CPU us per call by batch (pool 64): "
+          + ", ".join(f"B={b}: {v:.1f}" for b, v in summary["select_throughput_pool64_raw_cpu_us"].items()))
     result = {
         "benchmark": "tree_ops_cpu",
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                     "loadavg_before": load_before, "loadavg_after": load_after},
-        "settings": {"D": 15, "batch": 1, "iters": args.iters, "raw_block_us": args.block_us, "blocks": args.blocks,
+        "settings": {"D": 15, "batch": "1 (select_throughput: 1, 4, 16)",
+                     "iters": args.iters, "raw_block_us": args.block_us, "blocks": args.blocks,
                      "ref_blocks": args.ref_blocks, "quick": args.quick,
                      "select_max_nodes": "min(64, pool // 2)", "log_reach": "pool logq (marginal products)"},
-        "columns": {"ref_op_us": "reference through the public op (validation included)",
+        "columns": {"ref_op_us": "reference through the public op (validation included); select_throughput: "
+                                 "the registered reference (no public op)",
                     "cpp_op_us": "C++ backend through the public op (validation, dispatch, outputs; select: "
-                                 "PyTorch re-indexing included)",
+                                 "PyTorch re-indexing included); select_throughput: the registered C++ wrapper "
+                                 "(binding checks, outputs)",
                     "cpp_raw_wall_us": "C++ kernel looped in C++, wall clock per call (median of blocks)",
                     "cpp_raw_wall_min_us": "same, fastest block",
                     "cpp_raw_cpu_us": "C++ kernel looped in C++, calling-thread CPU time per call"},

@@ -27,10 +27,13 @@ Prints one line per count with its offenders (``path:line name``) and writes
   (``impls.py``, ``cpp_impls.py``, ``cuda_impls.py``, ``_registry.py``), the dispatcher itself
   (``backend.py``), and functions that reach the op through another front door. ``front_doors_max`` is the
   largest count over the ops.
-* ``size_rules``: distinct functions that size a tree from a latency table: a function named ``*_size`` or
-  ``*_sizes`` with a latency-table parameter (named ``latency``, ``lat``, ``table`` or ``latency_table``), in
-  ``taps_kernels/`` or ``python/taps/``, Triton kernels not counted. Each entry lists the modules of the
-  policies (``python/taps/decode/policies/``) and of the trace replay (``python/taps/scoring/``) that name it.
+* ``size_rules``: distinct functions that size a tree from a latency table (a parameter named ``latency``,
+  ``lat``, ``table`` or ``latency_table``), Triton kernels not counted: in ``python/taps/`` and
+  ``taps_kernels/`` (outside the references) a function named ``*_size`` or ``*_sizes``; in
+  ``taps_kernels/reference/`` (the specs the C++ and Triton kernels of a rule follow) a public ``select_*``
+  function, whose private helpers are part of it. Each entry lists the modules of the policies
+  (``python/taps/decode/policies/``) and of the trace replay (``python/taps/scoring/``) that name it; a
+  reference is reached through :func:`taps_kernels.select_subtree` instead.
 
 Usage: ``python bench/code_counts.py [--root DIR] [--out FILE]`` (``--out -`` writes no file).
 """
@@ -53,7 +56,8 @@ POLICY_DIRS = ("python/taps/decode/policies/", "python/taps/scoring/")
 MAX_LINES = 100
 MAX_PARAMS = 12
 TABLE_PARAMS = {"latency", "lat", "table", "latency_table"}
-DISPATCH_CALLS = {"resolve", "_impl"}
+REFERENCE_DIR = "taps_kernels/reference/"
+DISPATCH_CALLS = {"resolve", "_impl", "backend_for"}
 
 Func = Tuple[str, ast.AST, str]  # (relative path, node, qualified name)
 
@@ -190,6 +194,14 @@ def _door_ops(fn, top_level: bool, ops) -> List[str]:
     return sorted(found)
 
 
+def _is_size_rule(rel: str, fn) -> bool:
+    if not TABLE_PARAMS & set(param_names(fn)):
+        return False
+    if rel.startswith(REFERENCE_DIR):
+        return fn.name.startswith("select_")
+    return fn.name.endswith(("_size", "_sizes"))
+
+
 def count(root: Path = ROOT) -> Dict[str, object]:
     """All counts of the tree under ``root``: ``{name: count}`` plus ``offenders`` (lists of ``path:line name``)
     and ``front_doors`` (``{op: [path:line name, ...]}``)."""
@@ -233,12 +245,16 @@ def count(root: Path = ROOT) -> Dict[str, object]:
                 for op in _door_ops(fn, id(fn) in top, ops):
                     note = f"+ torch.ops.taps.{op}" if op == fn.name and op in kernels.values() else ""
                     doors[op].append(_where(rel, fn, name, note))
-            if fn.name.endswith(("_size", "_sizes")) and TABLE_PARAMS & set(param_names(fn)):
+            if _is_size_rule(rel, fn):
                 size_rules.append((rel, fn, name))
     sizes = []
     for rel, fn, name in size_rules:
         users = sorted(r for r, used in names_used.items() if fn.name in used)
-        sizes.append(_where(rel, fn, name, "named in " + ", ".join(users) if users else "named in no policy or trace-replay module"))
+        if rel.startswith(REFERENCE_DIR):
+            note = "a reference: reached through select_subtree"
+        else:
+            note = "named in " + ", ".join(users) if users else "named in no policy or trace-replay module"
+        sizes.append(_where(rel, fn, name, note))
 
     return {
         "long_functions": len(long_fns), "many_parameters": len(many_params),

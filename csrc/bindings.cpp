@@ -406,6 +406,89 @@ std::pair<double, double> time_select_subtree(const at::Tensor& parents, const a
   return seconds_per_iter(iters, [&] { run_select(s, pool_index.data_ptr<int64_t>(), num_selected.data_ptr<int32_t>()); });
 }
 
+// ------------------------------------------------------------------------------------ batch throughput rule
+struct ThroughputArgs {
+  TreeArgs tree;
+  at::Tensor log_reach, table;
+  taps::ThroughputParams params;
+};
+
+ThroughputArgs check_throughput(const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& num_nodes,
+                                const at::Tensor& log_reach, int64_t max_nodes, const at::Tensor& table,
+                                double plain_seconds, int64_t rows) {
+  ThroughputArgs s{check_tree(parents, depth, num_nodes), at::Tensor(), at::Tensor(), taps::ThroughputParams()};
+  check_arg(log_reach, "log_reach", {at::kFloat}, {s.tree.B, s.tree.N});
+  s.log_reach = log_reach.contiguous();
+  // Real non-root nodes only: the root column and padding are not read.
+  const float* lr = s.log_reach.data_ptr<float>();
+  const int32_t* nn = s.tree.num_nodes.data_ptr<int32_t>();
+  for (int64_t b = 0; b < s.tree.B; ++b) {
+    for (int64_t i = 1; i < nn[b]; ++i) {
+      const float v = lr[b * s.tree.N + i];
+      if (std::isnan(v) || v == std::numeric_limits<float>::infinity()) {
+        throw py::value_error("log_reach[" + std::to_string(b) + "," + std::to_string(i) +
+                              "]: expected a log reach (finite or -inf), received " + float_str(v));
+      }
+    }
+  }
+  s.params.max_nodes = check_count("max_nodes", max_nodes, 0);
+  check_arg(table, "table", {at::kDouble, at::kFloat}, {-1});
+  if (table.size(0) < 1) throw py::value_error("table: expected a non-empty 1-D table, received shape (0,)");
+  s.table = table.to(at::kDouble).contiguous();
+  s.params.table = s.table.data_ptr<double>();
+  s.params.table_len = check_count("table.shape[0]", s.table.size(0), 1);
+  for (int64_t n = 0; n < s.params.table_len; ++n) {
+    if (!std::isfinite(s.params.table[n])) {
+      throw py::value_error("table[" + std::to_string(n) + "]: expected finite seconds, received " +
+                            float_str(s.params.table[n]));
+    }
+  }
+  s.params.plain_seconds = check_real("plain_seconds", plain_seconds);
+  if (!(plain_seconds > 0)) {
+    throw py::value_error("plain_seconds: expected a float > 0.0, received " + float_str(plain_seconds));
+  }
+  s.params.rows = check_count("rows", rows, 1);
+  return s;
+}
+
+void run_throughput(const ThroughputArgs& s, int64_t* pool_index, int32_t* num_selected, float* expected) {
+  // torch's float64 exp, not libm's: the reference sums the reaches torch computes (tree_ops.h).
+  const at::Tensor reach = at::exp(s.log_reach.to(at::kDouble));
+  thread_local taps::ThroughputWorkspace ws;
+  taps::select_throughput_batch(s.log_reach.data_ptr<float>(), reach.data_ptr<double>(),
+                                s.tree.num_nodes.data_ptr<int32_t>(), s.tree.B, static_cast<int32_t>(s.tree.N),
+                                s.params, pool_index, num_selected, expected, ws);
+}
+
+std::vector<at::Tensor> select_throughput(const at::Tensor& parents, const at::Tensor& depth,
+                                          const at::Tensor& num_nodes, const at::Tensor& log_reach, int64_t max_nodes,
+                                          const at::Tensor& table, double plain_seconds, int64_t rows) {
+  const ThroughputArgs s =
+      check_throughput(parents, depth, num_nodes, log_reach, max_nodes, table, plain_seconds, rows);
+  py::gil_scoped_release no_gil;
+  at::Tensor pool_index = at::empty({s.tree.B, max_nodes + 1}, at::kLong);
+  at::Tensor num_selected = at::empty({s.tree.B}, at::kInt);
+  at::Tensor expected = at::empty({s.tree.B}, at::kFloat);
+  run_throughput(s, pool_index.data_ptr<int64_t>(), num_selected.data_ptr<int32_t>(), expected.data_ptr<float>());
+  return {pool_index, num_selected, expected};
+}
+
+std::pair<double, double> time_select_throughput(const at::Tensor& parents, const at::Tensor& depth,
+                                                 const at::Tensor& num_nodes, const at::Tensor& log_reach,
+                                                 int64_t max_nodes, const at::Tensor& table, double plain_seconds,
+                                                 int64_t rows, int64_t iters) {
+  const ThroughputArgs s =
+      check_throughput(parents, depth, num_nodes, log_reach, max_nodes, table, plain_seconds, rows);
+  check_iters(iters);
+  py::gil_scoped_release no_gil;
+  at::Tensor pool_index = at::empty({s.tree.B, max_nodes + 1}, at::kLong);
+  at::Tensor num_selected = at::empty({s.tree.B}, at::kInt);
+  at::Tensor expected = at::empty({s.tree.B}, at::kFloat);
+  return seconds_per_iter(iters, [&] {
+    run_throughput(s, pool_index.data_ptr<int64_t>(), num_selected.data_ptr<int32_t>(), expected.data_ptr<float>());
+  });
+}
+
 // Re-indexed kept subtree (the Selection.tree of select_subtree) from the pool and pool_index.
 std::vector<at::Tensor> reindex_subtree(const at::Tensor& tokens_in, const at::Tensor& parents, const at::Tensor& depth,
                                         const at::Tensor& num_nodes, const at::Tensor& pool_index_in,
@@ -876,6 +959,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("log_reach"), py::arg("max_nodes"),
         py::arg("latency") = py::none(), py::arg("t0") = 0.0, py::arg("rule") = "reach", py::arg("lambda_node") = 1.0,
         py::arg("lambda_depth") = 0.002, py::arg("min_utility") = 0.0, py::arg("iters") = 1000);
+  m.def("select_throughput", &select_throughput,
+        "batch throughput rule: tree parents/depth [B,N] i32, num_nodes [B] i32, log_reach [B,N] f32, max_nodes, "
+        "table [L] f64, plain_seconds, rows -> "
+        "[pool_index [B,max_nodes+1] i64, num_selected [B] i32, expected [B] f32]",
+        py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("log_reach"), py::arg("max_nodes"),
+        py::arg("table"), py::arg("plain_seconds"), py::arg("rows"));
+  m.def("time_select_throughput", &time_select_throughput,
+        "(wall, thread-CPU) seconds per select_throughput call over the whole batch, looped in C++ "
+        "(outputs allocated once)",
+        py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("log_reach"), py::arg("max_nodes"),
+        py::arg("table"), py::arg("plain_seconds"), py::arg("rows"), py::arg("iters") = 1000);
   m.def("reindex_subtree", &reindex_subtree,
         "pool tree (tokens, parents, depth, num_nodes), pool_index [B,M] i64, num_selected [B] i32 -> "
         "[tokens [B,M] i64, parents [B,M] i32, depth [B,M] i32, num_nodes [B] i32] of the kept subtree",

@@ -335,6 +335,111 @@ int32_t select_subtree_one(const int32_t* parents, const int32_t* depth, int32_t
   return count;
 }
 
+void select_throughput_batch(const float* log_reach, const double* reach, const int32_t* num_nodes, int64_t B,
+                             int32_t N, const ThroughputParams& params, int64_t* pool_index, int32_t* num_selected,
+                             float* expected, ThroughputWorkspace& ws) {
+  const int64_t M = static_cast<int64_t>(params.max_nodes) + 1;
+  const int32_t cap = std::max(0, std::min(params.max_nodes, N - 1));
+  const int64_t C = B * cap;
+  auto& keys = ws.keys;
+  auto& node = ws.node;
+  auto& cand = ws.cand;
+  node.resize(static_cast<size_t>(C));
+  cand.resize(static_cast<size_t>(C));
+  keys.resize(static_cast<size_t>(N - 1));
+  bool rows_descend = true;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* lr = log_reach + b * N;
+    const int32_t num = num_nodes[b];
+    // Every non-root column competes, padding as -inf (what the reference's stable sort over the row sees).
+    for (int32_t i = 1; i < N; ++i) {
+      keys[i - 1] = (static_cast<uint64_t>(~float_order_key(i < num ? lr[i] : kNegInf)) << 32) |
+                    static_cast<uint32_t>(i);
+    }
+    if (cap < N - 1) std::nth_element(keys.begin(), keys.begin() + cap, keys.end());
+    std::sort(keys.begin(), keys.begin() + cap);
+    for (int32_t r = 0; r < cap; ++r) {
+      const int32_t i = static_cast<int32_t>(static_cast<uint32_t>(keys[r]));
+      const int64_t f = b * cap + r;
+      node[f] = i;
+      cand[f] = {i < num ? reach[b * N + i] : 0.0, f};
+      rows_descend = rows_descend && (r == 0 || cand[f].first <= cand[f - 1].first);
+    }
+  }
+  const int64_t K = std::min<int64_t>(C, params.table_len - 1);
+  // Merged order: the reference's stable sort of -reach over the flattened [B, cap] list (ties to the lower flat
+  // index: lower row, then lower rank); for B == 1 the row's own order (its one-row branch).
+  const auto after = [](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  const std::pair<double, int64_t>* order = cand.data();
+  if (B > 1 && rows_descend) {
+    // Each row's reaches descend (exp is monotone on its keys, as in practice): a B-way merge of the row lists
+    // is that sort, in O(K log B).
+    auto& heads = ws.heads;
+    auto& merged = ws.merged;
+    heads.clear();
+    merged.resize(static_cast<size_t>(K));
+    for (int64_t b = 0; b < B && cap > 0; ++b) heads.push_back(cand[b * cap]);
+    std::make_heap(heads.begin(), heads.end(), after);
+    for (int64_t j = 0; j < K; ++j) {
+      std::pop_heap(heads.begin(), heads.end(), after);
+      merged[j] = heads.back();
+      heads.pop_back();
+      const int64_t next = merged[j].second + 1;
+      if (next % cap != 0) {
+        heads.push_back(cand[next]);
+        std::push_heap(heads.begin(), heads.end(), after);
+      }
+    }
+    order = merged.data();
+  } else if (B > 1) {
+    std::partial_sort(cand.begin(), cand.begin() + K, cand.end(),
+                      [&](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& b) {
+                        return after(b, a);
+                      });
+  }
+  // Same double operations in the same order as the reference's gain; first maximum wins (smaller batch tree).
+  const double rate = static_cast<double>(params.rows) / params.plain_seconds;
+  const double t0 = params.table[0];
+  int64_t best_k = 0;
+  double best = 0.0 - (t0 - t0) * rate;
+  double total = 0.0;
+  for (int64_t j = 1; j <= K; ++j) {
+    total += order[j - 1].first;
+    const double gain = total - (params.table[j] - t0) * rate;
+    if (gain > best) {
+      best_k = j;
+      best = gain;
+    }
+  }
+  auto& sizes = ws.sizes;
+  auto& mass = ws.mass;
+  sizes.assign(static_cast<size_t>(B), 0);
+  mass.assign(static_cast<size_t>(B), 0.0);
+  for (int64_t j = 0; j < best_k; ++j) {
+    const int64_t b = order[j].second / cap;
+    ++sizes[b];
+    mass[b] += order[j].first;
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const float* lr = log_reach + b * N;
+    int64_t* out = pool_index + b * M;
+    // The row's first n_b candidates, less those of reach -inf (padding, depth-capped), in ascending order.
+    int32_t* first = node.data() + b * cap;
+    int32_t* last = std::remove_if(first, first + sizes[b], [&](int32_t i) {
+      return i >= num_nodes[b] || lr[i] == kNegInf;
+    });
+    std::sort(first, last);
+    const int32_t count = static_cast<int32_t>(last - first);
+    out[0] = 0;
+    for (int32_t k = 0; k < count; ++k) out[k + 1] = first[k];
+    for (int64_t k = count + 1; k < M; ++k) out[k] = -1;
+    num_selected[b] = count;
+    expected[b] = static_cast<float>(1.0 + mass[b]);
+  }
+}
+
 void reindex_subtree_one(const int64_t* tokens, const int32_t* parents, const int32_t* depth, int32_t N,
                          const int64_t* pool_index, int32_t M, int64_t* out_tokens, int32_t* out_parents,
                          int32_t* out_depth, int32_t* new_of_old) {

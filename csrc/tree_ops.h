@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace taps {
@@ -77,6 +78,41 @@ struct SelectWorkspace {
 };
 int32_t select_subtree_one(const int32_t* parents, const int32_t* depth, int32_t num_nodes, const float* log_reach,
                            const SelectParams& params, int64_t* pool_index, SelectWorkspace& ws);
+
+// Batch throughput rule (taps.decode.policies.gate.GatedPolicy; spec: reference/select.py::
+// select_throughput_reference): tree sizes chosen jointly for B trees, so one call takes the whole batch.
+//   log_reach [B,N] float32: ranking key, non-increasing along paths; the root column and nodes at index
+//             >= num_nodes[b] are not read (they count as -inf).
+//   reach     [B,N] double: exp(double(log_reach)) as torch computes it. The caller computes it because the
+//             reference's sums read torch's vectorised exp, which differs from libm's in the last bit now and
+//             then; entries the rule does not read may hold anything.
+//   num_nodes [B] in [1, N].
+// Writes pool_index [B, max_nodes+1] (0, kept nodes ascending, -1 pad), num_selected [B], expected [B].
+// Row b's candidates: its first cap = min(max_nodes, N-1) nodes by (-log_reach, index). All candidates are
+// merged by (-reach, b * cap + rank) (the row's own order when B == 1); the batch keeps the first k* of
+// K = min(B * cap, table_len - 1) with k* the first maximum of S_k - (table[k] - table[0]) * (rows /
+// plain_seconds), S_k the running double sum of merged reaches. Row b keeps its first n_b candidates (its
+// entries among the first k*) except those of log reach -inf; expected[b] = float(1 + their reach summed in
+// merged order).
+struct ThroughputParams {
+  int32_t max_nodes = 0;
+  const double* table = nullptr;  // [table_len] seconds, table_len >= 1
+  int32_t table_len = 0;
+  double plain_seconds = 1.0;
+  int64_t rows = 1;
+};
+struct ThroughputWorkspace {
+  std::vector<uint64_t> keys;                        // one row: (order key of -log_reach, node index) packed
+  std::vector<int32_t> node;                         // [B * cap] candidate nodes in row rank order
+  std::vector<std::pair<double, int64_t>> cand;      // [B * cap] (reach, b * cap + rank) in row rank order
+  std::vector<std::pair<double, int64_t>> heads;     // merge heap: each row's next candidate
+  std::vector<std::pair<double, int64_t>> merged;    // [K] the first K candidates in merged order
+  std::vector<int32_t> sizes;
+  std::vector<double> mass;
+};
+void select_throughput_batch(const float* log_reach, const double* reach, const int32_t* num_nodes, int64_t B,
+                             int32_t N, const ThroughputParams& params, int64_t* pool_index, int32_t* num_selected,
+                             float* expected, ThroughputWorkspace& ws);
 
 // Gathers the kept rows of a tree into a new one: pool_index [M] (kept pool nodes ascending, -1 padding)
 // -> tokens/parents/depth [M] with parents renumbered to the new rows (-1 for the root, for padding and

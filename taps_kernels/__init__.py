@@ -17,7 +17,7 @@ from .layout import CandidatePool, Selection, TopKStats, Tree
 from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool, candidate_pool, compact_kv,
                   graft_chain, lookup_chain, propagate_reach, rows_linear, score_edges, select_subtree, topk_stats,
                   tree_attention, tree_mask)
-from .ops.select import UTILITY_PRESETS
+from .ops.select import UTILITY_PRESETS, ThroughputRule
 from .scorer_weights import ScorerWeights
 
 __version__ = "0.1.0"
@@ -28,5 +28,5 @@ __all__ = [
     "Tree", "CandidatePool", "TopKStats", "Selection", "BackendUnavailable", "available_backends", "explain",
     "candidate_pool", "topk_stats", "best_first_pool", "propagate_reach", "select_subtree", "tree_mask",
     "ancestor_bits_to_additive_mask", "tree_attention", "accept_greedy", "compact_kv",
-    "score_edges", "ScorerWeights", "rows_linear", "lookup_chain", "graft_chain", "UTILITY_PRESETS",
+    "score_edges", "ScorerWeights", "rows_linear", "lookup_chain", "graft_chain", "UTILITY_PRESETS", "ThroughputRule",
 ]

@@ -71,6 +71,10 @@ PREFERENCES: Dict[str, Preference] = {
     "select_subtree": Preference(
         ("triton",), f"ranks, throughput size (latency table on the device) and greedy utility per tree, "
         f"{_NO_SYNC}"),
+    "select_throughput": Preference(
+        ("triton",), f"ranks per row in parallel, then one program merges the batch (up to 2048 candidates), "
+        f"{_NO_SYNC}; larger batches fall back",
+        cpu_why="one C++ pass over the batch (a sort per row, a B-way merge) instead of the reference's Python loops"),
     "reindex_subtree": Preference(
         ("triton",), "one launch (gather + binary search) instead of a dozen torch ops; the reference runs "
         "on any device too"),

@@ -52,6 +52,16 @@ def select_subtree_cpp(parents: torch.Tensor, depth: torch.Tensor, num_nodes: to
                                    lambda_depth, min_utility))
 
 
+@register("select_throughput", "cpp")
+def select_throughput_cpp(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
+                          log_reach: torch.Tensor, max_nodes: int, table: torch.Tensor, plain_seconds: float,
+                          rows: int):
+    """Batch throughput rule, ``table [L] f64`` -> ``(pool_index [B, max_nodes+1] int64, num_selected [B] int32,
+    expected [B] float32)``: kept pool nodes ascending, -1 padded; bit-identical to the reference."""
+    return tuple(_C.select_throughput(parents, depth, num_nodes, log_reach, max_nodes, table, float(plain_seconds),
+                                      int(rows)))
+
+
 register("reindex_subtree", "cpp")(_C.reindex_subtree)
 
 

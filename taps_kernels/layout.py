@@ -185,9 +185,12 @@ class Selection:
 
     ``tree`` the kept subtree re-indexed (pool order preserved, root first, ``max_nodes + 1`` rows),
     ``pool_index [B, max_nodes+1] int64`` the pool node of each row (-1 padding),
-    ``num_selected [B] int32`` kept non-root nodes.
+    ``num_selected [B] int32`` kept non-root nodes,
+    ``expected [B] float32`` ``1 +`` the kept nodes' reach summed (the rule :class:`ThroughputRule` only, else
+    None): the tokens the round is expected to commit.
     """
 
     tree: Tree
     pool_index: torch.Tensor
     num_selected: torch.Tensor
+    expected: Optional[torch.Tensor] = None

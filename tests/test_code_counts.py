@@ -121,3 +121,35 @@ def test_main_prints_and_writes_json(tmp_path, capsys):
 def test_the_checkout_parses():
     c = _load().count(ROOT)
     assert c["front_doors"]["tree_mask"] and c["cache_root_definitions"] >= 1
+
+
+LIBRARY_FILES = {
+    "taps_kernels/backend.py": "PREFERENCES: dict = {\n    'qux': Preference(('cpp',), 'why'),\n"
+                               "    'quux': Preference(('cpp',), 'why'),\n}\n",
+    "taps_kernels/__init__.py": "from .ops import (qux, quux)\n",
+    "taps_kernels/ops/qux.py": (
+        "def qux(x):\n    return qux_op(x)\n"  # the public op, through its library op: one door
+        "def _qux_kernel(x):\n    return backend_for('qux', None, x)\n"
+        "def _qux_fake(x):\n    return x\n"
+        "qux_op = define('qux(Tensor x) -> Tensor', _qux_kernel, _qux_fake)\n"
+        "def _quux_kernel(x):\n    return backend_for('quux', None, x)\n"  # defined, but no public quux calls it
+        "quux_op = define('quux(Tensor x) -> Tensor', _quux_kernel, _qux_fake)\n"),
+    "taps_kernels/reference/select.py": (
+        "def _ratio_size(sorted_e, latency):\n    return 0\n"  # a helper of the spec below: part of it
+        "def select_ratio_reference(x, latency):\n    return _ratio_size(x, latency)\n"
+        "def select_joint_reference(x, table):\n    return 0\n"  # a second rule
+        "def select_plain_reference(x, max_nodes):\n    return 0\n"),  # no table: not a size rule
+}
+
+
+def test_library_ops_and_reference_rules(tmp_path):
+    for rel, text in LIBRARY_FILES.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text, encoding="utf-8")
+    c = _load().count(tmp_path)
+    assert c["front_doors"] == {"qux": ["taps_kernels/ops/qux.py:1 qux (+ torch.ops.taps.qux)"],
+                                "quux": ["taps_kernels/ops/qux.py:8 _quux_kernel"]}
+    assert c["offenders"]["size_rules"] == [
+        "taps_kernels/reference/select.py:3 select_ratio_reference (a reference: reached through select_subtree)",
+        "taps_kernels/reference/select.py:5 select_joint_reference (a reference: reached through select_subtree)"]

@@ -11,7 +11,7 @@ import torch
 import taps_kernels
 import taps_kernels as tk
 from taps_kernels import Tree
-from taps.decode.policies.gate import batch_table, joint_sizes
+from taps.decode.policies.gate import batch_table
 from taps.decode.tree_ops import chain_tree, keep_top, truncate_depth
 
 from helpers import random_tree
@@ -19,15 +19,16 @@ from helpers import random_tree
 
 def _tail(tokens, parents, depth, num_nodes, log_reach, caps, sizes, prefix_lens, q, keys, values, target, table):
     """Per-row top-n + depth cap, mask, attention, acceptance, compaction, packed result."""
-    tree = Tree(tokens, parents, depth, num_nodes)
-    tree = keep_top(tree, log_reach, sizes, caps, levels=8)
+    pool = Tree(tokens, parents, depth, num_nodes)
+    tree = keep_top(pool, log_reach, sizes, caps, levels=8)
     _, bits = tk.tree_mask(tree, prefix_lens, validate="none")
     N = tree.tokens.shape[1]
     out = tk.tree_attention(q[:, :, :N], keys[0], values[0], bits, prefix_lens, validate="none")
     path, acc, nxt = tk.accept_greedy(tree, target[:, :N], max_depth=N - 1, validate="none")
     new_lens = tk.compact_kv(keys, values, prefix_lens, path, validate="none")
-    joint, expected, _ = joint_sizes(log_reach, table, 0.05, rows=tokens.shape[0], max_nodes=8)
-    return torch.cat([acc[:, None], nxt[:, None], new_lens[:, None], joint[:, None], path], 1), out, expected
+    joint = tk.select_subtree(pool, log_reach, 8, rule=tk.ThroughputRule(table, 0.05, tokens.shape[0]), validate="none")
+    return (torch.cat([acc[:, None], nxt[:, None], new_lens[:, None], joint.num_selected[:, None].long(), path], 1), out,
+            joint.expected, joint.pool_index)
 
 
 def _inputs(seed):

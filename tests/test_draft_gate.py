@@ -6,6 +6,8 @@ import random
 import pytest
 import torch
 
+import taps_kernels
+
 from taps.decode import SpeculativeDecoder, make_policy
 from taps.decode.policies.ddtree_cost import CostAwareDDTreePolicy
 from taps.decode.policies.gate import DraftGate
@@ -75,7 +77,7 @@ def decide(pol, reaches, overhead=0.0):
     """One drafted tree of the policy's rule over a star pool, and the gate's record of it (as the loop does
     after the round's read). Returns the kept tokens."""
     tree, log_reach = star(reaches)
-    built = pol._throughput_build(tree, log_reach, None, levels=1)
+    built = pol._throughput_build(tree, log_reach, None)
     pol.overhead.value = overhead
     pol.observe(built.expected.tolist(), built.sizes.tolist(), {})
     n = int(built.tree.num_nodes[0])
@@ -107,24 +109,37 @@ def test_size_keeps_nodes_whose_reach_pays_for_their_verify_time(slope, kept):
     assert built.tree.tokens.shape[1] == 9  # static width: max_nodes + 1
 
 
+def _joint(lr, table, plain_s, rows, max_nodes):
+    """The library's joint rule on star trees (every node a child of the root: any reach is prefix-closed)."""
+    B, N = lr.shape
+    parents = torch.zeros(B, N, dtype=torch.int32)
+    parents[:, 0] = -1
+    depth = torch.ones(B, N, dtype=torch.int32)
+    depth[:, 0] = 0
+    tree = taps_kernels.Tree(torch.zeros(B, N, dtype=torch.int64), parents, depth, torch.full((B,), N, dtype=torch.int32))
+    sel = taps_kernels.select_subtree(tree, lr, max_nodes, rule=taps_kernels.ThroughputRule(table, plain_s, rows))
+    return sel.num_selected.long(), sel.expected, int(sel.num_selected.sum())
+
+
 def test_joint_rule_gives_nodes_to_the_row_whose_reach_pays():
     """Two rows decided together: nodes are taken across rows in order of reach while each pays for the
     verify time it adds at the batch's total node count (plain-round rate of 2 rows)."""
-    from taps.decode.policies.gate import batch_table, joint_sizes
+    from taps.decode.policies.gate import batch_table
 
     latency = {"latency": [0.05 + 0.01 * n for n in range(9)], "t0_parts": {"context": 0.0}}
     table = batch_table(latency, 2, 16)  # no measured 2-row table: latency[1 + n], extended linearly
     assert table[0].item() == pytest.approx(0.06) and table[16].item() == pytest.approx(0.05 + 0.01 * 17)
     # threshold per node: 2 rows * 0.01 s / 0.06 s = 0.333
     lr = torch.log(torch.tensor([[1.0, 0.9, 0.5, 0.3, 0.1], [1.0, 0.6, 0.35, 0.2, 0.0]]))
-    sizes, expected, total = joint_sizes(lr, table, 0.06, rows=2, max_nodes=8)
-    assert sizes.tolist() == [2, 2] and total.item() == 4
+    sizes, expected, total = _joint(lr, table, 0.06, rows=2, max_nodes=8)
+    assert sizes.tolist() == [2, 2] and total == 4
     assert expected.tolist() == pytest.approx([2.4, 1.95])
-    # with one row the joint rule is the one-row rule
+    # with one row the joint rule is the one-row rule: argmax_n sum of the n best reaches - (T[n] - T[0]) / t_plain
     one = batch_table(latency, 1, 8)
-    sizes1, _, _ = joint_sizes(lr[:1], one, 0.05, rows=1, max_nodes=8)
-    from taps.decode.policies.gate import throughput_size
-    assert sizes1.tolist() == throughput_size(lr[:1], one, 0.05)[0].tolist()
+    sizes1, _, _ = _joint(lr[:1], one, 0.05, rows=1, max_nodes=8)
+    r = lr[0, 1:].exp().double().sort(descending=True).values
+    gain = torch.cat([torch.zeros(1, dtype=torch.float64), r.cumsum(0)]) - (one[:5] - one[0]) / 0.05
+    assert sizes1.tolist() == [int(gain.argmax())] == [3]  # 0.9, 0.5, 0.3 pay for 0.01 s / 0.05 s = 0.2 each
 
 
 def test_measured_batch_table_is_used():
@@ -138,15 +153,15 @@ def test_measured_batch_table_is_used():
 def test_extension_past_the_table_uses_its_mean_slope():
     # A measured table that ends flat must not make the nodes past its end free: 16 rows of 64 low-reach
     # nodes were all kept when the extension reused the last (zero) step.
-    from taps.decode.policies.gate import batch_table, joint_sizes
+    from taps.decode.policies.gate import batch_table
 
     latency = {"latency": [0.05 + 0.004 * n for n in range(64)] + [0.05 + 0.004 * 63]}
     table = batch_table(latency, 16, 16 * 64)
     assert table[200].item() == pytest.approx(0.05 + 0.004 * 63 + (200 + 15 - 64) * (0.004 * 63 / 64))
     lr = torch.full((16, 65), float(torch.log(torch.tensor(0.05))))
     lr[:, 0] = 0.0
-    sizes, _, total = joint_sizes(lr, table, 0.05 + 0.004 * 15, rows=16, max_nodes=64)
-    assert total.item() < 16 * 64 and sizes.max().item() < 64
+    sizes, _, total = _joint(lr, table, 0.05 + 0.004 * 15, rows=16, max_nodes=64)
+    assert total < 16 * 64 and sizes.max().item() < 64
 
 
 class CountingDrafter:

@@ -242,6 +242,73 @@ void test_select_throughput() {
   CHECK(select(t, 5, zero, p) == (std::vector<int64_t>{0}));
 }
 
+// The batch rule on B rows of N nodes; reach = exp of the key (values chosen so that libm's exp is exact).
+struct Joint {
+  std::vector<std::vector<int64_t>> kept;
+  std::vector<int32_t> sizes;
+  std::vector<float> expected;
+};
+Joint select_joint(const std::vector<float>& lr, const std::vector<int32_t>& num_nodes, int32_t N,
+                   const std::vector<double>& table, int32_t max_nodes, double plain_seconds, int64_t rows,
+                   std::vector<double> reach = {}) {
+  const int64_t B = static_cast<int64_t>(num_nodes.size());
+  if (reach.empty()) {
+    for (float v : lr) reach.push_back(std::exp(static_cast<double>(v)));
+  }
+  taps::ThroughputParams p;
+  p.max_nodes = max_nodes;
+  p.table = table.data();
+  p.table_len = static_cast<int32_t>(table.size());
+  p.plain_seconds = plain_seconds;
+  p.rows = rows;
+  std::vector<int64_t> pool_index(static_cast<size_t>(B * (max_nodes + 1)), -7);
+  Joint out{{}, std::vector<int32_t>(B, -7), std::vector<float>(B, -7.f)};
+  taps::ThroughputWorkspace ws;
+  taps::select_throughput_batch(lr.data(), reach.data(), num_nodes.data(), B, N, p, pool_index.data(),
+                                out.sizes.data(), out.expected.data(), ws);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* row = pool_index.data() + b * (max_nodes + 1);
+    out.kept.emplace_back(row, row + out.sizes[b] + 1);
+    for (int32_t k = out.sizes[b] + 1; k <= max_nodes; ++k) CHECK(row[k] == -1);
+  }
+  return out;
+}
+
+void test_select_throughput_batch() {
+  // Two rows of five children of the root, every reach 1; rate rows / plain_seconds = 1.
+  const std::vector<float> ones(12, 0.f);
+  // Each node costs exactly what it brings: all sizes tie at gain 0, the smallest (empty) batch tree wins.
+  std::vector<double> linear;
+  for (int k = 0; k <= 10; ++k) linear.push_back(k);
+  Joint j = select_joint(ones, {6, 6}, 6, linear, 5, 1.0, 1);
+  CHECK(j.sizes == (std::vector<int32_t>{0, 0}) && j.expected == (std::vector<float>{1.f, 1.f}));
+  // Three free nodes: equal reaches go to the lower row, within it to the lower indices.
+  const std::vector<double> three = {0, 0, 0, 0, 9, 9, 9, 9, 9, 9, 9};
+  j = select_joint(ones, {6, 6}, 6, three, 5, 1.0, 1);
+  CHECK(j.kept[0] == (std::vector<int64_t>{0, 1, 2, 3}) && j.kept[1] == (std::vector<int64_t>{0}));
+  CHECK(j.expected == (std::vector<float>{4.f, 1.f}));
+  // A short table caps the batch: K = table_len - 1 = 2 nodes in total.
+  j = select_joint(ones, {6, 6}, 6, {0, 0, 0}, 5, 1.0, 1);
+  CHECK(j.sizes == (std::vector<int32_t>{2, 0}));
+  // Padding (index >= num_nodes) and -inf nodes are never written, even when a table that gets cheaper makes
+  // "keeping" them pay; the per-row cap is min(max_nodes, N - 1).
+  std::vector<float> lr(12, 0.f);
+  lr[2] = kNegInf;
+  j = select_joint(lr, {4, 2}, 6, {0, 1, 1, 1, 1, 1, 1, 1, 1, 1, -5}, 5, 1.0, 1);
+  CHECK(j.kept[0] == (std::vector<int64_t>{0, 1, 3}) && j.kept[1] == (std::vector<int64_t>{0, 1}));
+  CHECK(j.expected == (std::vector<float>{3.f, 2.f}));
+  // max_nodes = 0: root only.
+  j = select_joint(ones, {6, 6}, 6, three, 0, 1.0, 1);
+  CHECK(j.sizes == (std::vector<int32_t>{0, 0}) && j.kept[1] == (std::vector<int64_t>{0}));
+  // An exp that is not monotone (reach given here): row 0's second-ranked node has the larger reach. The merged
+  // order is still by reach (the reference's sort), and row 0 is credited that reach though it keeps its
+  // first-ranked node: merged (0.5 row 0, 0.375 row 1, ...), two nodes pay for themselves.
+  j = select_joint({0.f, -1.f, -2.f, 0.f, -1.f, -3.f}, {3, 3}, 3, {0, 0, 0, 10, 10}, 2, 1.0, 1,
+                   {1.0, 0.25, 0.5, 1.0, 0.375, 0.125});
+  CHECK(j.kept[0] == (std::vector<int64_t>{0, 1}) && j.kept[1] == (std::vector<int64_t>{0, 1}));
+  CHECK(j.expected == (std::vector<float>{1.5f, 1.375f}));
+}
+
 void test_select_utility() {
   //        0
   //      1   2
@@ -425,6 +492,7 @@ int main() {
   test_propagate_reach();
   test_select_reach();
   test_select_throughput();
+  test_select_throughput_batch();
   test_select_utility();
   test_reindex_subtree();
   test_tree_mask();

@@ -1,6 +1,7 @@
 """Subtree selection: keep a prefix-closed subtree of the pool, by reach, throughput or published utility."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -21,6 +22,30 @@ UTILITY_PRESETS = {
     "paper": dict(max_leaves=64, fill_below_threshold=True, max_children=16, min_nodes=4),
 }
 """Named sets of the utility rule's options for ``select_subtree(..., preset=name)``."""
+
+
+@dataclass(frozen=True)
+class ThroughputRule:
+    """The size rule the shipped policies use: tree sizes chosen jointly for the batch, for long-run tokens/s.
+
+    Take every row's best ``max_nodes`` nodes by reach, merge them by reach, and keep each while its expected
+    tokens pay for the verify time it adds at the batch's total node count:
+    ``k* = argmax_k sum_{i<=k} r_(i) - rows * (latency[k] - latency[0]) / plain_seconds``; row b's tree is its best
+    ``n_b`` nodes (its entries among the first ``k*``), so a row whose draft is poor gets few nodes and a batch on
+    flat verify costs (a GPU) gets large trees everywhere; one row is the one-row rule. Why long-run rate and not
+    each round's own ratio: :class:`taps.decode.policies.gate.GatedPolicy`. Reach must be non-increasing along
+    paths (pool log-masses and scorer reach are), so each row's top nodes are prefix-closed.
+
+    Fields:
+        latency: ``[L] float64`` seconds to verify the batch's roots plus ``k`` nodes in total (a tensor on the
+            tree's device: built once; ``taps.decode.latency.LatencyTable.batch_seconds``), non-decreasing.
+        plain_seconds: seconds of a plain (root-only) round of the batch, ``> 0``.
+        rows: rows that decode (the plain round makes ``rows`` tokens); None: the batch size.
+    """
+
+    latency: torch.Tensor
+    plain_seconds: float
+    rows: Optional[int] = None
 
 
 class _Unset:
@@ -66,6 +91,10 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
                    min_nodes: int = _UNSET, preset: Optional[str] = None) -> Selection:
     """Choose the subtree to verify.
 
+    ``rule=ThroughputRule(latency, plain_seconds, rows)`` sizes the trees of the whole batch jointly (the rule the
+    shipped policies use; :class:`ThroughputRule`): ``latency``/``t0`` and the utility options do not apply, and
+    the :class:`Selection` carries ``expected``.
+
     Args:
         tree: the pool (:class:`Tree`, ``N`` rows).
         log_reach: ``[B, N]`` float log reach of each node (root 0).
@@ -104,6 +133,12 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
         :class:`Selection`: ``tree`` with ``max_nodes + 1`` rows (pool order kept, root first),
         ``pool_index [B, max_nodes+1] int64`` and ``num_selected [B] int32``.
     """
+    if isinstance(rule, ThroughputRule):
+        if latency is not None or any(v is not _UNSET for v in (max_leaves, fill_below_threshold, max_children,
+                                                                 min_nodes)) or preset is not None:
+            raise ValueError("rule: ThroughputRule takes its table from the rule; latency=, the utility options and "
+                             "preset= do not apply")
+        return _select_throughput(tree, log_reach, max_nodes, rule, backend, validate)
     validate_tree(tree, "tree", deep=False)  # values (structure, reach, latency table): in the op, as validate says
     dev = check_data_device("tree.tokens", tree.tokens)
     check_nonempty("tree.tokens", tree.tokens, [(0, "tree (batch row)")])
@@ -144,6 +179,74 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
     sub = reindex_subtree_op(tree.tokens.contiguous(), parents, depth, num_nodes, pool_index, num_selected,
                              reindex_backend)
     return Selection(Tree(*sub), pool_index, num_selected)
+
+
+def _select_throughput(tree: Tree, log_reach: torch.Tensor, max_nodes: int, rule: ThroughputRule,
+                       backend: Optional[str], validate: Optional[str]) -> Selection:
+    validate_tree(tree, "tree", deep=False)
+    dev = check_data_device("tree.tokens", tree.tokens)
+    check_nonempty("tree.tokens", tree.tokens, [(0, "tree (batch row)")])
+    B, N = tree.tokens.shape
+    max_nodes = check_int("max_nodes", max_nodes)
+    check_output_size("max_nodes", max_nodes, B * (max_nodes + 1) * (8 + 8 + 4 + 4 + 4), dev)
+    check_tensor("log_reach", log_reach, dtypes=FLOAT_DTYPES, shape=(B, N), device=dev)
+    check_tensor("rule.latency", rule.latency, dtypes=(torch.float64,), ndim=1, device=dev)
+    plain = check_float("rule.plain_seconds", rule.plain_seconds, above=0.0)
+    rows = B if rule.rows is None else check_int("rule.rows", rule.rows)
+    parents, depth, num_nodes = tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous()
+    pool_index, num_selected, expected = select_throughput_op(parents, depth, num_nodes, log_reach.float().contiguous(),
+                                                              max_nodes, rule.latency, plain, rows, backend, validate)
+    reindex_backend = backend if backend is None or has_impl("reindex_subtree", backend) else "reference"
+    sub = reindex_subtree_op(tree.tokens.contiguous(), parents, depth, num_nodes, pool_index, num_selected,
+                             reindex_backend)
+    return Selection(Tree(*sub), pool_index, num_selected, expected)
+
+
+def _throughput_meta(parents, depth, num_nodes, log_reach, max_nodes, table, plain_seconds, rows) -> Tuple[int, int]:
+    B, N = check_tree_tensors(None, parents, depth, num_nodes)
+    check_nonempty("parents", parents, [(0, "tree (batch row)")])
+    check_tensor("log_reach", log_reach, dtypes=(torch.float32,), shape=(B, N), device=parents.device)
+    max_nodes = check_int("max_nodes", max_nodes)
+    check_tensor("latency", table, dtypes=(torch.float64,), ndim=1, device=parents.device)
+    check_nonempty("latency", table, [(0, "table entry")])
+    check_float("plain_seconds", plain_seconds, above=0.0)
+    check_int("rows", rows)
+    return B, max_nodes + 1
+
+
+def _throughput_kernel(parents, depth, num_nodes, log_reach, max_nodes, table, plain_seconds, rows, backend=None,
+                       validate=None):
+    args = (parents, depth, num_nodes, log_reach, max_nodes, table, plain_seconds, rows)
+    check = values_asked(validate, parents)
+    # the call's size decides whether the Triton kernel (one program for the whole batch) can take it
+    size = dict(batch_size=parents.shape[0], max_nodes=max_nodes, columns=parents.shape[1]) \
+        if isinstance(parents, torch.Tensor) and parents.dim() == 2 else {}
+    name, fn = backend_for("select_throughput", backend, parents, _throughput_meta, args, check, **size)
+    if check:
+        _select_values(parents, depth, num_nodes, log_reach, table, 0.0)
+        bad = table[1:] < table[:-1]
+        if bool(bad.any()):
+            (n,) = first_index(bad)
+            raise ValueError(f"latency[{n + 1}]: expected a non-decreasing table of seconds, received "
+                             f"{float(table[n + 1])} after {float(table[n])}")
+    return fresh(fn(*args), args[:4] + (table,), name)
+
+
+def _throughput_fake(parents, depth, num_nodes, log_reach, max_nodes, table, plain_seconds, rows, backend=None,
+                     validate=None):
+    B, M = _throughput_meta(parents, depth, num_nodes, log_reach, max_nodes, table, plain_seconds, rows)
+    return (parents.new_empty((B, M), dtype=torch.int64), parents.new_empty((B,), dtype=torch.int32),
+            log_reach.new_empty((B,), dtype=torch.float32))
+
+
+select_throughput_op = define(
+    "select_throughput(Tensor parents, Tensor depth, Tensor num_nodes, Tensor log_reach, int max_nodes, Tensor table, "
+    "float plain_seconds, int rows, str? backend=None, str? validate=None) -> (Tensor, Tensor, Tensor)",
+    _throughput_kernel, _throughput_fake)
+"""``taps::select_throughput``: ``parents/depth [B,N] int32``, ``num_nodes [B] int32``, ``log_reach [B,N] f32``,
+``table [L] float64`` (seconds for the batch's roots plus ``k`` nodes), ``plain_seconds``, ``rows`` ->
+``(pool_index [B, max_nodes+1] int64, num_selected [B] int32, expected [B] float32)`` (:class:`ThroughputRule`).
+Checks metadata, then the tree, the reach and the table (finite, non-decreasing) as ``validate`` says."""
 
 
 def _select_meta(parents, depth, num_nodes, log_reach, max_nodes, latency, rule) -> Tuple[int, int]:

@@ -7,11 +7,12 @@ from .lookup import graft_chain_reference, lookup_chain_reference
 from .mask import ancestor_bits_reference, tree_mask_reference, unpack_ancestor_bits
 from .pool import best_first_pool_reference, topk_stats_reference
 from .reach import propagate_reach_reference
-from .select import reindex_subtree_reference, select_subtree_reference
+from .select import reindex_subtree_reference, select_subtree_reference, select_throughput_reference
 
 __all__ = [
     "accept_greedy_reference", "tree_attention_reference", "compact_kv_reference", "ancestor_bits_reference",
     "tree_mask_reference", "unpack_ancestor_bits", "best_first_pool_reference", "topk_stats_reference",
-    "propagate_reach_reference", "reindex_subtree_reference", "select_subtree_reference", "rows_linear_reference",
+    "propagate_reach_reference", "reindex_subtree_reference", "select_subtree_reference",
+    "select_throughput_reference", "rows_linear_reference",
     "int8_linear_reference", "quantize_int8_rows_reference", "lookup_chain_reference", "graft_chain_reference",
 ]

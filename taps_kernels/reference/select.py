@@ -1,4 +1,5 @@
-"""Reference subtree selection: top nodes by (prefix-closed) reach, the throughput rule, and the published utility rule."""
+"""Reference subtree selection: top nodes by (prefix-closed) reach, the throughput rule (one tree, and the
+batch-joint rule of the shipped policies), and the published utility rule."""
 from __future__ import annotations
 
 import itertools
@@ -142,6 +143,87 @@ def select_subtree_reference(parents: torch.Tensor, depth: torch.Tensor, num_nod
         num_selected[b] = len(kept)
     dev = parents.device
     return pool_index.to(dev), num_selected.to(dev)
+
+
+def select_throughput_reference(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
+                                log_reach: torch.Tensor, max_nodes: int, table: torch.Tensor, plain_seconds: float,
+                                rows: int):
+    """The batch throughput rule of :class:`taps.decode.policies.gate.GatedPolicy`: tree sizes chosen jointly for
+    the whole batch, each row's tree its best nodes by reach.
+
+    Args:
+        parents, depth: ``[B, N] int32`` pool trees (read for their shape only: the rule ranks by reach alone).
+        num_nodes: ``[B] int32`` real nodes per row; nodes at index ``>= num_nodes[b]`` count as log reach -inf.
+        log_reach: ``[B, N] float32`` log reach, **non-increasing along every path** (pool log-masses and scorer
+            reach are: each edge adds a log-probability ``<= 0``), so a row's top-``n`` nodes are prefix-closed;
+            the root column is not read; -inf where a node must not be kept (e.g. below a depth cap).
+        max_nodes: per-row cap (``>= 0``); each row offers its best ``cap = min(max_nodes, N - 1)`` nodes.
+        table: ``[L] float64`` seconds to verify the batch's roots plus ``k`` nodes in total (``L >= 1``;
+            :func:`taps.decode.policies.gate.batch_table`), read as float64.
+        plain_seconds: seconds of a plain (root-only) round of the batch (``> 0``).
+        rows: running rows (the plain round makes ``rows`` tokens, so its rate is ``rows / plain_seconds``).
+    Returns:
+        ``(pool_index [B, max_nodes+1] int64, num_selected [B] int32, expected [B] float32)``: per row 0 then its
+        kept pool nodes ascending, -1 padded; how many; ``1 +`` the sum of their reach.
+
+    The rule (bit for bit the policies' former host implementation, kept as the oracle of
+    tests/test_select_throughput.py): row b ranks its non-root nodes by ``(-log_reach, index)`` (float32 keys, a stable sort); its first
+    ``cap`` are its candidates, reach ``exp`` of the key in float64 (torch's ``exp``: not always libm's
+    last bit). Candidates of all rows are merged by ``(-reach, b * cap + rank)`` (ties: lower row, then lower
+    rank), the batch keeps the first ``k*`` of ``K = min(B * cap, L - 1)``, ``k* = argmax_k S_k - cost_k`` with
+    ``S_k`` the running float64 sum of the merged reaches, ``cost_k = (table[k] - table[0]) * (rows /
+    plain_seconds)``, first maximum (the smaller batch tree on ties). For B = 1 the row's own rank order is the
+    merged order (the host rule's one-row branch; the same list whenever ``exp`` is monotone). Row b keeps its
+    first ``n_b`` candidates (``n_b`` = its entries among the first ``k*``); ``expected[b]`` rounds to float32
+    ``1 +`` their reach summed in float64 in merged order.
+
+    A candidate of log reach -inf is never written to ``pool_index`` (the policies dropped depth-capped nodes the
+    same way, and padding is never a node): with a non-decreasing table (LatencyTable's always are) a reach-0
+    node never raises the gain, so it is never among the first ``k*`` and ``num_selected`` is the host rule's
+    size; a table that gets cheaper with more nodes can make the host rule count such nodes, and
+    ``num_selected`` then counts only the written ones.
+    """
+    B, N = parents.shape
+    if max_nodes < 0:
+        raise ValueError(f"max_nodes: expected an int >= 0, received {max_nodes}")
+    T = table.detach().cpu().to(torch.float64)
+    if T.dim() != 1 or T.numel() < 1:
+        raise ValueError(f"table: expected a non-empty 1-D tensor, received shape {tuple(T.shape)}")
+    real = torch.arange(N)[None, :] < num_nodes.detach().cpu().long()[:, None]
+    e = torch.where(real, log_reach.detach().cpu().float(), torch.tensor(float("-inf")))
+    cap = max(0, min(max_nodes, N - 1))
+    # one stable sort per row: rank order by (-reach, node index), as select_subtree's reach rule
+    neg, order = torch.sort(-e[:, 1:], dim=1, stable=True)
+    order = order[:, :cap] + 1  # [B, cap] candidate nodes in rank order
+    reach = (-neg[:, :cap]).double().exp()  # [B, cap], non-increasing; -inf -> 0
+    flat = reach.reshape(-1).tolist()
+    if B == 1:
+        merged = list(range(cap))
+    else:
+        merged = torch.sort(-reach.reshape(-1), stable=True).indices.tolist()  # ties: lower row, then lower rank
+    K = min(B * cap, T.numel() - 1)
+    cost = ((T - T[0]) * (rows / plain_seconds)).tolist()
+    best_k, best, total = 0, 0.0 - cost[0], 0.0
+    for j in range(1, K + 1):
+        total += flat[merged[j - 1]]
+        gain = total - cost[j]
+        if gain > best:  # first maximum
+            best_k, best = j, gain
+    sizes = [0] * B
+    mass = [0.0] * B
+    for j in merged[:best_k]:
+        sizes[j // cap] += 1
+        mass[j // cap] += flat[j]
+    pool_index = torch.full((B, max_nodes + 1), -1, dtype=torch.int64)
+    num_selected = torch.zeros(B, dtype=torch.int32)
+    pool_index[:, 0] = 0
+    for b in range(B):
+        kept = sorted(int(i) for i in order[b, :sizes[b]] if e[b, i] > float("-inf"))
+        pool_index[b, 1:1 + len(kept)] = torch.tensor(kept, dtype=torch.int64)
+        num_selected[b] = len(kept)
+    expected = torch.tensor([1.0 + m for m in mass], dtype=torch.float64).float()
+    dev = parents.device
+    return pool_index.to(dev), num_selected.to(dev), expected.to(dev)
 
 
 def reindex_subtree_reference(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 import taps_kernels
-from taps_kernels import ScorerWeights
+from taps_kernels import ScorerWeights, Tree
 
 from .traces import accepted_mask, pool_from_traces
 
@@ -198,6 +198,21 @@ def _best_mix(tok_a, t_a, tok_b, t_b, iters: int = 50) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _selected_rounds(tree: Tree, log_reach: torch.Tensor, accepted: torch.Tensor, one_row: bool = False, **select):
+    """``(tau [B] float32, n [B] int64)`` of :func:`taps_kernels.select_subtree`'s trees (``select``: its
+    arguments) on recorded rounds: ``1 +`` the accepted pool nodes they keep, and their size. ``one_row``: each
+    row selected on its own (a batch rule would decide the rows jointly)."""
+    rows = [slice(b, b + 1) for b in range(tree.batch_size)] if one_row else [slice(None)]
+    taus, sizes = [], []
+    for r in rows:
+        sub = Tree(tree.tokens[r], tree.parents[r], tree.depth[r], tree.num_nodes[r])
+        sel = taps_kernels.select_subtree(sub, log_reach[r], **select)
+        pi = sel.pool_index
+        taus.append(1 + (accepted[r].gather(1, pi.clamp(min=0)) & (pi > 0)).sum(1).float())
+        sizes.append(sel.num_selected.long())
+    return torch.cat(taus), torch.cat(sizes)
+
+
 def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerWeights],
                       token_embeddings: Optional[torch.Tensor], table: dict, overhead_s: Dict[str, float],
                       budgets=(4, 8, 16, 32, 64, 128), cap: int = 64, min_utility: float = 0.01,
@@ -211,8 +226,8 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
     the table's last measured node count ``latency`` follows :class:`taps.decode.latency.LatencyTable`'s one
     rule, as the policies do. DFlash verifies its 15-node argmax chain; nodes of the chain missing from the pool count as rejected,
     so its tau here is a lower bound. ``taps`` and ``ddtree-cost`` size their trees with the policies'
-    throughput rule (:func:`taps.decode.policies.gate.throughput_size`) and draft every round (the replay
-    has no notion of skipped rounds, so the gate is not replayed).
+    throughput rule (:class:`taps_kernels.ThroughputRule`, each trace row on its own) and draft every round (no
+    gate replayed); ``taps-ratio``: the scorer's trees by METHOD.md's per-round ratio (``latency=, t0=``).
 
     Two oracle rows bound what any tree policy over this drafter's pool could reach on these rounds:
     ``oracle-path`` verifies exactly the accepted pool path (``a`` nodes) at ``t0 + latency[a]``, with no
@@ -221,9 +236,8 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
     Returns ``{policy: {"tau", "nodes", "tokens_per_s", "speedup"}}``.
     """
     import taps_kernels as tk
-    from taps.decode.policies.gate import plain_round_seconds, throughput_size
-
     from taps.decode.latency import LatencyTable
+    from taps.decode.policies.gate import plain_round_seconds
 
     R, N = traces["tokens"].shape
     tbl = LatencyTable.of(table)
@@ -267,19 +281,13 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
             reaches["scorer"] = tk.score_edges(pool, weights, token_embeddings if weights.full else None, hid)[2]
 
         def run(name, lr, key, **kw):
-            sel = tk.select_subtree(pool.tree, lr, **kw)
-            pi = sel.pool_index
-            keep = pi > 0
-            tau = 1 + (acc.gather(1, pi.clamp(min=0)) & keep).sum(1).float()
-            n = sel.num_selected.long()
+            tau, n = _selected_rounds(pool.tree, lr, acc, **kw)
             add(name, tau, n + 1, cost(n, key))
 
         def run_throughput(name, lr, key):
-            # the policies' rule (taps.decode.policies.gate); its top-n* by reach is prefix-closed
-            n, _ = throughput_size(lr, lat_t, plain_s)
-            order = torch.sort(lr[:, 1:], dim=1, descending=True, stable=True).indices + 1
-            hits = acc.gather(1, order).cumsum(1)
-            tau = 1 + torch.where(n > 0, hits.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0], 0).float()
+            # the policies' rule, one row at a time (each trace row is a one-row decode)
+            tau, n = _selected_rounds(pool.tree, lr, acc, one_row=True, max_nodes=cap,
+                                      rule=tk.ThroughputRule(lat_t, plain_s, rows=1))
             add(name, tau, n + 1, cost(n, key))
 
         for b in budgets:
@@ -288,6 +296,7 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
         if "scorer" in reaches:
             r = reaches["scorer"]
             run_throughput("taps", r, "taps")
+            run("taps-ratio", r, "taps", max_nodes=cap, latency=lat_t, t0=t0 + overhead_s.get("taps", 0.0))
             run("taps-paper", r, "taps", max_nodes=cap, rule="utility", min_utility=min_utility)
             for b in fixed_budgets:
                 run(f"taps-fixed:{b}", r, "taps", max_nodes=b)

@@ -45,7 +45,7 @@ class CostAwareDDTreePolicy(GatedPolicy):
                                                top_k=min(self.max_nodes, draft_logits.shape[-1]),
                                                pool_size=self.max_nodes)
         with timer("selection"):
-            return self._throughput_build(pool.tree, pool.logq, depth_cap, draft_logits.shape[1], rows)
+            return self._throughput_build(pool.tree, pool.logq, depth_cap, rows)
 
 
 @register_policy("ddtree-cost", "cost-aware DDTree: throughput rule on marginal products, draft gating; "

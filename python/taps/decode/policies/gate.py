@@ -26,10 +26,10 @@ from typing import List, Optional
 import torch
 
 import taps_kernels
-from taps_kernels import Tree
+from taps_kernels import Selection, Tree
 
 from ..latency import LatencyTable
-from ..tree_ops import depth_mask, keep_nodes, pad_tree, slice_tree
+from ..tree_ops import IN_ROUND, depth_mask
 from .base import BuiltTree, TreePolicy
 
 #: Longest run of plain rounds between two probes.
@@ -84,23 +84,6 @@ def plain_round_seconds(latency, rows: int = 1) -> float:
     return LatencyTable.of(latency).plain_round_seconds(rows)
 
 
-def throughput_size(log_reach: torch.Tensor, latency: torch.Tensor, plain_s: float):
-    """The throughput rule's tree size per row (definition and why: :class:`GatedPolicy`).
-
-    Args:
-        log_reach: ``[B, N]`` log reach, root first, padding ``-inf``.
-        latency: ``[L]`` float64 seconds to verify root + n nodes; ``n* <= min(L - 1, N - 1)``.
-        plain_s: seconds of a plain (root-only, undrafted) round.
-    Returns:
-        ``(n_star [B] int64, top [B, cap] float64)``: the size, and the reaches in descending order.
-    """
-    reach = log_reach[:, 1:].double()
-    cap = min(latency.numel() - 1, reach.shape[1])
-    top = reach.topk(cap, dim=1).values.exp()  # padding rows are -inf: reach 0, never worth a node
-    gain = torch.cat([top.new_zeros(top.shape[0], 1), top.cumsum(1)], 1) - (latency[:cap + 1] - latency[0]) / plain_s
-    return gain.argmax(1), top  # first maximum: the smaller tree on ties
-
-
 def batch_table(latency, rows: int, n_total: int) -> torch.Tensor:
     """:func:`batch_seconds` as a ``[n_total + 1] float64`` tensor."""
     return torch.tensor(batch_seconds(latency, rows, n_total), dtype=torch.float64)
@@ -111,55 +94,6 @@ def batch_seconds(latency, rows: int, n_total: int) -> List[float]:
     table's cost at (rows, n) (:meth:`taps.decode.latency.LatencyTable.batch_seconds`: a measured ``rows``-row
     table, else the one-row table by total verified rows; past the end, the table's one extension rule)."""
     return LatencyTable.of(latency).batch_seconds(rows, n_total)
-
-
-def joint_sizes(log_reach: torch.Tensor, table: torch.Tensor, plain_s: float, rows: int, max_nodes: int,
-                return_order: bool = False):
-    """The batch throughput rule: per-row tree sizes chosen jointly (definition: :class:`GatedPolicy`).
-
-    Args:
-        log_reach: ``[B, N]`` log reach, root first, non-increasing along paths; padding and nodes past a row's
-            depth cap ``-inf``.
-        table: ``[L] float64`` seconds to verify the batch's roots plus ``n`` nodes in total (:func:`batch_table`).
-        plain_s: seconds of a plain round of the batch.
-        rows: running rows (the batch's plain round makes ``rows`` tokens).
-        max_nodes: per-row cap.
-        return_order: also return each row's non-root nodes in rank order ``[B, N-1]`` (by ``(-reach, index)``:
-            the first ``sizes[b]`` are the row's tree).
-    Returns:
-        ``(sizes [B] int64, expected [B] float32, total int64 scalar[, order])``, all on the device: nodes kept
-        per row, ``1 + sum`` of their reach, and the batch's total. Ties go to the smaller tree, then the
-        smaller row.
-    """
-    B, N = log_reach.shape
-    dev = log_reach.device
-    cap = max(0, min(max_nodes, N - 1))
-    # one stable sort per row: rank order by (-reach, node index), as select_subtree's reach rule
-    neg, order = torch.sort(-log_reach[:, 1:].float(), dim=1, stable=True)
-    if cap == 0:
-        z = torch.zeros(B, dtype=torch.int64, device=dev)
-        out = (z, torch.ones(B, dtype=torch.float32, device=dev), z.sum())
-        return out + (order,) if return_order else out
-    per_row = (-neg[:, :cap]).double().exp()  # [B, cap] reach, descending; -inf -> 0
-    cost = (table[:table.numel()].to(dev) - table[0]) * (rows / plain_s)
-    if B == 1:
-        K = min(cap, table.numel() - 1)
-        mass = torch.cat([per_row.new_zeros(1, 1), per_row[:, :K].cumsum(1)], 1)
-        k = (mass[0] - cost[:K + 1]).argmax()  # first maximum: the smaller tree on ties
-        out = (k.view(1), (1.0 + mass[0, k]).float().view(1), k)
-        return out + (order,) if return_order else out
-    flat = per_row.reshape(-1)
-    merged = torch.sort(-flat, stable=True).indices  # row-major ties: lower row, then lower rank first
-    K = min(flat.numel(), table.numel() - 1)
-    merged = merged[:K]
-    gain = torch.cat([flat.new_zeros(1), flat[merged].cumsum(0)]) - cost[:K + 1]
-    k = gain.argmax()  # first maximum: the smaller batch tree on ties
-    taken = (torch.arange(K, device=dev) < k).to(flat.dtype)
-    row_of = merged // cap
-    sizes = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, row_of, taken).to(torch.int64)
-    mass = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, row_of, taken * flat[merged])
-    out = (sizes, (1.0 + mass).float(), k)
-    return out + (order,) if return_order else out
 
 
 class GatedPolicy(TreePolicy):
@@ -181,7 +115,8 @@ class GatedPolicy(TreePolicy):
     expected tokens pay for the verify time it adds at the batch's total node count:
     ``k* = argmax_k sum_{i<=k} r_(i) - R * (T_R[k] - T_R[0]) / t_plain_R``, where ``T_R[k]`` is the measured
     time to verify R roots plus k nodes in total (:func:`batch_table`) and ``R / t_plain_R`` the batch's
-    plain-round rate. Row b's tree is its best ``n_b`` nodes, ``n_b`` = its nodes among the first ``k*``
+    plain-round rate (the library's :class:`taps_kernels.ThroughputRule`, through
+    :func:`taps_kernels.select_subtree`). Row b's tree is its best ``n_b`` nodes, ``n_b`` = its nodes among the first ``k*``
     (a prefix of its own list, hence prefix-closed). R = 1 is the one-row rule. A row whose draft is poor
     gets few nodes; a batch on a GPU (flat ``T_R``) gets large trees in every row.
 
@@ -234,35 +169,21 @@ class GatedPolicy(TreePolicy):
         return self._latency.plain_round_seconds(rows)
 
     def _throughput_build(self, tree: Tree, log_reach: torch.Tensor, depth_cap: Optional[torch.Tensor],
-                          levels: int, rows: Optional[int] = None) -> BuiltTree:
+                          rows: Optional[int] = None) -> BuiltTree:
         """Trees of the joint rule from a pool ``tree [B, N]`` and its ``log_reach [B, N]`` (non-increasing along
-        paths, as pool log-masses and scorer reach are): each row's ``n_b`` best nodes by ``(-reach, index)``
-        (what :func:`taps_kernels.select_subtree`'s reach rule keeps for a budget of ``n_b``), within its depth
-        cap, re-indexed by the library's re-index kernel; ``N = max_nodes + 1`` columns. ``rows``: running rows
-        (default B; rows with depth cap 0 claim no nodes)."""
-        keep, expected, sizes = self._throughput_keep(tree, log_reach, depth_cap, rows)
-        return BuiltTree(self._kept_tree(tree, keep), expected, sizes)
+        paths, as pool log-masses and scorer reach are): :func:`taps_kernels.select_subtree` with
+        :class:`taps_kernels.ThroughputRule` over the nodes within each row's depth cap; ``max_nodes + 1`` columns.
+        ``rows``: running rows (default B; rows with depth cap 0 claim no nodes)."""
+        sel = self._throughput_select(tree, log_reach, depth_cap, rows)
+        return BuiltTree(sel.tree, sel.expected, sel.num_selected.long())
 
-    def _throughput_keep(self, tree: Tree, log_reach: torch.Tensor, depth_cap: Optional[torch.Tensor],
-                         rows: Optional[int] = None):
-        """The joint rule's choice as ``(keep [B, N] bool, expected [B] float32, sizes [B] int64)``."""
-        B = tree.batch_size
-        rows = B if rows is None else rows
-        ok = depth_mask(tree, depth_cap)
-        e = log_reach.float().masked_fill(~ok, float("-inf"))
-        e[:, 0] = 0.0
-        sizes, expected, _, order = joint_sizes(e, self._batch_table(rows, e.device), self._plain_s(rows), rows,
-                                                self._max_nodes, return_order=True)
-        N = tree.tokens.shape[1]
-        taken = torch.arange(N - 1, device=e.device)[None, :] < sizes[:, None]
-        keep = torch.cat([ok[:, :1], torch.zeros_like(taken).scatter_(1, order, taken)], 1) & ok
-        return keep, expected, sizes
-
-    def _kept_tree(self, tree: Tree, keep: torch.Tensor) -> Tree:
-        """The kept nodes re-indexed, ``max_nodes + 1`` columns (static: the same for every round)."""
-        width = self._max_nodes + 1
-        N = tree.tokens.shape[1]
-        return pad_tree(slice_tree(keep_nodes(tree, keep), min(N, width)), width)
+    def _throughput_select(self, tree: Tree, log_reach: torch.Tensor, depth_cap: Optional[torch.Tensor],
+                           rows: Optional[int] = None) -> Selection:
+        """The joint rule's :class:`taps_kernels.Selection` (``expected`` set); depth-capped nodes are never kept."""
+        rows = tree.batch_size if rows is None else rows
+        e = log_reach.float().masked_fill(~depth_mask(tree, depth_cap), float("-inf"))
+        rule = taps_kernels.ThroughputRule(self._batch_table(rows, e.device), self._plain_s(rows), rows)
+        return taps_kernels.select_subtree(tree, e, self._max_nodes, rule=rule, validate=IN_ROUND)
 
     def observe(self, expected, sizes, times) -> None:
         if self._latency is None:

@@ -152,9 +152,10 @@ class TapsLookupPolicy(TapsPolicy):
                                                  self.acceptance.log_reach(ngram, self.num_tokens),
                                                  validate=IN_ROUND)
         with timer("selection"):
-            keep, expected, sizes = self._throughput_keep(tree, log_reach, depth_cap, rows)
-            kept = (keep.gather(1, nodes.clamp(min=0)) & (nodes >= 0)).sum(1)
-            built = BuiltTree(self._kept_tree(tree, keep), expected, sizes)
+            sel = self._throughput_select(tree, log_reach, depth_cap, rows)
+            # the grafted chain's nodes that made the tree (pool_index lists the kept pool nodes)
+            kept = ((nodes[:, :, None] == sel.pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)
+            built = BuiltTree(sel.tree, sel.expected, sel.num_selected.long())
         built.aux = torch.cat([ngram[:, None], kept[:, None], chain], 1)
         return built
 

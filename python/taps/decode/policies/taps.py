@@ -157,7 +157,7 @@ class TapsPolicy(GatedPolicy):
         pool_tree, log_reach = self._scored_pool(draft_logits, draft_hidden, bonus, timer)
         with timer("selection"):
             if self.rule == "reach":
-                return self._throughput_build(pool_tree, log_reach, depth_cap, draft_logits.shape[1], rows)
+                return self._throughput_build(pool_tree, log_reach, depth_cap, rows)
             if self.rule == "fixed":
                 tree = taps_kernels.select_subtree(pool_tree, log_reach, self.max_nodes, rule="reach",
                                                    validate=IN_ROUND).tree
