@@ -4,11 +4,13 @@ For every ``(policy, prompt id, turn)`` present in both runs the generated token
 that keeps behaviour gives every policy the ids it gave before); per policy it prints the aggregate tokens/s
 of each run (total new tokens over total seconds) and their ratio. Writes the summary as JSON.
 
-Usage: ``python bench/compare_runs.py BEFORE.jsonl AFTER.jsonl [--out FILE.json]``; exits 1 when an id differs.
+Usage: ``python bench/compare_runs.py BEFORE.jsonl AFTER.jsonl [--out FILE.json]`` (``.jsonl.gz`` read too);
+exits 1 when an id differs.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -18,7 +20,7 @@ from typing import Dict, Tuple
 def load(path: str) -> Dict[Tuple[str, str, int], dict]:
     """``{(policy, prompt id, turn): {"ids": [...], "tokens": n, "seconds": s}}`` of one JSONL run."""
     out = {}
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
             for t, turn in enumerate(rec["turns"]):

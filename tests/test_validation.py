@@ -470,7 +470,7 @@ def test_the_host_read_detector_catches_value_checks(monkeypatch):
                             "compact_kv"}, tripped
 
 
-def test_meta_tensors_refused_by_public_ops_traced_by_custom_ops():
+def test_meta_tensors_refused_by_public_ops_traced_by_library_ops():
     tree = chain(4).to("meta")
     with pytest.raises(ValueError, match="meta"):
         tk.tree_mask(tree, torch.zeros(1, dtype=torch.int64, device="meta"))
