@@ -4,7 +4,10 @@ Import as ``from helpers import ...`` (``tests/`` is on ``sys.path`` under pytes
 """
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
+from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
 import torch
@@ -140,3 +143,13 @@ def random_scorer(tiny: bool, seed: int = 3, hidden: int = 32, max_depth: int = 
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     return m
+
+
+def load_bench_script(name: str):
+    """The module of ``bench/<name>.py`` (the benchmark scripts are files, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses in the script look their module up while it executes
+    spec.loader.exec_module(mod)
+    return mod

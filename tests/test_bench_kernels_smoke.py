@@ -1,20 +1,16 @@
 """bench/bench_kernels.py --quick runs on a CPU and writes the rows the GPU run reports (PyTorch paths only here)."""
-import importlib.util
 import json
-import os
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import load_bench_script
 
 
 def test_bench_kernels_quick_runs_on_cpu(tmp_path, capsys):
     if torch.cuda.is_available():
         import pytest
         pytest.skip("the GPU run is bench/gpu_check.sh's job")
-    spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(ROOT, "bench", "bench_kernels.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_script("bench_kernels")
     bench.main(["--quick", "--iters", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "kernels_cpu.json").read_text())
     rows = data["results"]

@@ -1,16 +1,14 @@
 """``bench/code_counts.py`` on a small synthetic tree: each count sees exactly what its rule says."""
-import importlib.util
 import json
 from pathlib import Path
+
+from helpers import load_bench_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("code_counts", ROOT / "bench" / "code_counts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("code_counts")
 
 
 def _body(lines: int) -> str:

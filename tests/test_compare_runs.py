@@ -1,16 +1,11 @@
 """``bench/compare_runs.py``: equal ids pass, one changed id fails, tokens/s per policy from totals."""
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_bench_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "bench" / "compare_runs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("compare_runs")
 
 
 def _write(path, records):

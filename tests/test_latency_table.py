@@ -1,7 +1,6 @@
 """``LatencyTable``: load/save, the cost at (rows, nodes), round and plain-round seconds, and the one rule past
 the table's end, which every reader (the policies' batch tables, the projection report, the GPU benchmark's
 verify table) now follows."""
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,6 +9,8 @@ import pytest
 from taps.decode.latency import LatencyTable, load_table, round_seconds, save_table
 from taps.decode.policies import gate
 from taps.scoring import report
+
+from helpers import load_bench_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = {"latency": [0.05, 0.06, 0.07, 0.09, 0.09], "t0": 0.03, "machine": "m", "model": "x",
@@ -92,9 +93,7 @@ def test_report_projection_reads_the_table():
 
 
 def test_bench_verify_table_reads_through_the_table():
-    spec = importlib.util.spec_from_file_location("bench_decode_gpu", ROOT / "bench" / "bench_decode_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_script("bench_decode_gpu")
     rows = [{"batch": 1, "nodes": n, "ms": ms} for n, ms in ((1, 1.0), (2, 1.5), (4, 1.4), (8, 3.0))]
     rows.append({"batch": 4, "nodes": 1, "ms": 9.0})
     # points made non-decreasing (1.5, 1.4 -> 1.45, 1.45), linear in between

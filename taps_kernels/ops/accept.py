@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .._checks import (MAX_COUNT, check_data_device, check_int, check_nonempty, check_output_size, check_tensor,
-                       check_tree_tensors, first_index, values_checked)
+                       check_tree_tensors, first_index)
 from .._library import backend_for, define, fresh, values_asked
 from ..backend import resolve
 from ..layout import Tree, validate_tree

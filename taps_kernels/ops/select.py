@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .._checks import (FLOAT_DTYPES, check_data_device, check_float, check_int, check_log_values, check_nonempty,
-                       check_output_size, check_tensor, check_tree_tensors, first_index, values_checked)
+                       check_output_size, check_tensor, check_tree_tensors, first_index)
 from .._library import backend_for, define, fresh, values_asked
 from ..backend import has_impl, resolve
 from ..layout import Selection, Tree, validate_tree
