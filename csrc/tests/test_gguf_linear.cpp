@@ -31,7 +31,7 @@ void run(BlockType t, int64_t N, int64_t K, std::mt19937& rng) {
   std::vector<float> w(N * K);
   taps::gguf::dequantize_blocks(t, raw.data(), N, K, w.data());
   const int64_t KB = K / 32, G = (N + 15) / 16;
-  for (int64_t M : {1, 2, 7, 8, 9, 17, 33}) {
+  for (int64_t M : {1, 2, 7, 8, 9, 12, 13, 17, 25, 33, 64}) {
     std::normal_distribution<float> nd(0.0f, 2.0f);
     std::vector<float> x(M * K);
     for (auto& v : x) v = nd(rng);
