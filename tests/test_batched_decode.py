@@ -12,7 +12,7 @@ import torch
 
 from helpers import hf_greedy, random_scorer, tiny_drafter, tiny_target
 from taps.decode import BatchDecoder, GenerationError, Request, SamplingConfig, SpeculativeDecoder, make_policy
-from taps.decode.policies.taps import TapsPolicy
+from taps.decode.policies.taps import taps_policy as make_taps
 
 V = 61
 
@@ -39,8 +39,8 @@ def requests(target, n, seed):
 
 def taps_policy():
     latency = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02, "t0_parts": {"context": 0.001}}
-    return TapsPolicy(8, rule="reach", pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8,
-                      latency=latency)
+    return make_taps(8, rule="reach", pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8,
+                     latency=latency)
 
 
 @pytest.mark.parametrize("spec,positions", [("ddtree:2", 2), ("ddtree:64", None), ("dflash", None)])

@@ -6,8 +6,8 @@ import torch
 
 from helpers import hf_greedy, random_scorer, tiny_drafter, tiny_target
 from taps.decode import SpeculativeDecoder, make_policy
-from taps.decode.policies.ddtree_cost import CostAwareDDTreePolicy
-from taps.decode.policies.taps import TapsPolicy
+from taps.decode.policies.ddtree_cost import cost_aware_ddtree_policy
+from taps.decode.policies.taps import taps_policy
 
 V = 61
 LATENCY = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02, "t0_parts": {"context": 0.001}}
@@ -15,10 +15,10 @@ LATENCY = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02, "t0_par
 
 def policy(spec):
     if spec == "taps":  # ungated: every round drafts, whatever the timings
-        return TapsPolicy(8, rule="reach", pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8,
-                          latency=LATENCY, gate=False)
+        return taps_policy(8, rule="reach", pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8,
+                           latency=LATENCY, gate=False)
     if spec == "ddtree-cost":
-        return CostAwareDDTreePolicy(8, latency=LATENCY, gate=False)
+        return cost_aware_ddtree_policy(8, latency=LATENCY, gate=False)
     return make_policy(spec)
 
 

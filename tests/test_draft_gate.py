@@ -9,9 +9,9 @@ import torch
 import taps_kernels
 
 from taps.decode import SpeculativeDecoder, make_policy
-from taps.decode.policies.ddtree_cost import CostAwareDDTreePolicy
+from taps.decode.policies.ddtree_cost import cost_aware_ddtree_policy
 from taps.decode.policies.gate import DraftGate
-from taps.decode.policies.taps import TapsPolicy
+from taps.decode.policies.taps import taps_policy
 
 from helpers import V, hf_greedy, random_scorer, tiny_drafter, tiny_target
 
@@ -77,8 +77,8 @@ def decide(pol, reaches, overhead=0.0):
     """One drafted tree of the policy's rule over a star pool, and the gate's record of it (as the loop does
     after the round's read). Returns the kept tokens."""
     tree, log_reach = star(reaches)
-    built = pol._throughput_build(tree, log_reach, None)
-    pol.overhead.value = overhead
+    _, built = pol.size.select(tree, log_reach, None)
+    pol.size.overhead.value = overhead
     pol.observe(built.expected.tolist(), built.sizes.tolist(), {})
     n = int(built.tree.num_nodes[0])
     return built.tree.tokens[0, :n].tolist(), built
@@ -183,9 +183,9 @@ def make(kind, gate, slope, context=0.002, t0=None):
     latency = {"latency": [0.05 + slope * n for n in range(65)], "t0": 0.02 + context if t0 is None else t0,
                "t0_parts": {"draft": 0.02, "context": context}}
     if kind == "taps":
-        return TapsPolicy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency,
-                          gate=gate)
-    return CostAwareDDTreePolicy(8, latency=latency, gate=gate)
+        return taps_policy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency,
+                           gate=gate)
+    return cost_aware_ddtree_policy(8, latency=latency, gate=gate)
 
 
 @pytest.mark.parametrize("kind", ["taps", "ddtree-cost"])
@@ -244,15 +244,15 @@ def test_round_cost_is_the_draft_at_the_policy_depth():
     target, drafter = tiny_target(0), tiny_drafter(0)  # block 5: 4 draft positions
     latency = {"latency": [0.05 + 0.01 * n for n in range(65)], "t0": 0.045,
                "t0_parts": {"draft": 0.04, "context": 0.005, "draft_by_positions": [0.01, 0.02, 0.03, 0.04]}}
-    capped = TapsPolicy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
-                        latency=latency, max_depth=2)
+    capped = taps_policy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
+                         latency=latency, max_depth=2)
     capped.bind(target, drafter, "cpu")
-    assert capped._t0 == pytest.approx(0.02 + 0.005)
-    full = CostAwareDDTreePolicy(8, latency=latency)
+    assert capped.size.t0 == pytest.approx(0.02 + 0.005)
+    full = cost_aware_ddtree_policy(8, latency=latency)
     full.bind(target, drafter, "cpu")
-    assert full._t0 == pytest.approx(0.045)
+    assert full.size.t0 == pytest.approx(0.045)
     old = {k: v for k, v in latency.items() if k != "t0_parts"}  # a table without per-position times: its t0
-    capped = TapsPolicy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
-                        latency=old, max_depth=2)
+    capped = taps_policy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
+                         latency=old, max_depth=2)
     capped.bind(target, drafter, "cpu")
-    assert capped._t0 == pytest.approx(0.045)
+    assert capped.size.t0 == pytest.approx(0.045)

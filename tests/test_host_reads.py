@@ -32,8 +32,8 @@ import taps_kernels.ops.select
 from helpers import random_scorer, tiny_drafter, tiny_target
 from taps_kernels import backend
 from taps.decode import BatchDecoder, make_policy
-from taps.decode.policies.lookup import TapsLookupPolicy
-from taps.decode.policies.taps import TapsPolicy
+from taps.decode.policies.lookup import taps_lookup_policy
+from taps.decode.policies.taps import taps_policy
 
 V, HID = 61, 32
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -113,10 +113,10 @@ def make(spec):
     latency = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02,
                "t0_parts": {"draft": 0.02, "context": 0.001}}
     if spec == "taps":
-        return TapsPolicy(8, rule="reach", pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8,
-                          latency=latency)
+        return taps_policy(8, rule="reach", pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8,
+                           latency=latency)
     if spec == "taps-lookup":  # the n-gram match and graft run inside the round too
-        return TapsLookupPolicy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency)
+        return taps_lookup_policy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency)
     return make_policy(spec)
 
 

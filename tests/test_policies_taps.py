@@ -8,7 +8,7 @@ import torch
 from taps.decode import SpeculativeDecoder, make_policy
 from taps.decode.policies import PolicyError, policy_options
 from taps.decode.policies import Stopwatch, available_policies
-from taps.decode.policies.taps import TapsPolicy
+from taps.decode.policies.taps import taps_policy
 from taps.scoring.io import save_scorer
 from taps.decode.latency import save_table
 
@@ -104,10 +104,10 @@ def test_throughput_rule_shrinks_with_cost(models):
     target, drafter = models
     sizes = {}
     for name, slope in (("flat", 0.0), ("steep", 1.0)):
-        pol = TapsPolicy(16, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
-                         latency={"latency": [0.05 + slope * n for n in range(17)], "t0": 0.0})
+        pol = taps_policy(16, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
+                          latency={"latency": [0.05 + slope * n for n in range(17)], "t0": 0.0})
         pol.bind(target, drafter, torch.device("cpu"))
-        pol.overhead.update = lambda s: None  # keep t0 fixed: the test compares tables only
+        pol.size.overhead.update = lambda s: None  # keep t0 fixed: the test compares tables only
         g = torch.Generator().manual_seed(1)
         tree = pol.build(torch.randn(1, 4, V, generator=g), torch.randn(1, 4, HID, generator=g), torch.tensor([3])).tree
         sizes[name] = int(tree.num_nodes[0]) - 1
@@ -137,8 +137,8 @@ def test_missing_scorer_dir_is_named(tmp_path, models, monkeypatch):
 def test_policy_options_are_explicit():
     # The scorer and the pool size are arguments, not environment switches; policies refuse options they lack.
     assert policy_options("taps:8") == ("scorer", "pool_size") and policy_options("ddtree:8") == ()
-    assert make_policy("taps-fixed:4", pool_size=40).pool_size == 40
-    assert make_policy("taps-fixed:4").pool_size == 128
+    assert make_policy("taps-fixed:4", pool_size=40).draft.pool_size == 40
+    assert make_policy("taps-fixed:4").draft.pool_size == 128
     with pytest.raises(PolicyError, match="ddtree: unknown option.*scorer.*accepts: none"):
         make_policy("ddtree:8", scorer="x")
     with pytest.raises(PolicyError, match="unknown option.*pool_sizes"):
@@ -167,6 +167,6 @@ def test_throughput_rule_drafts_only_its_depth_cap(env):
         prompt = [rng.randrange(V) for _ in range(9)]
         assert dec.generate(prompt, 24).token_ids == hf_greedy(target, prompt, 24), spec
         assert asked and set(asked) == {want}, (spec, asked)
-    assert TapsPolicy(8, max_depth=None).draft_positions(15) == 15
+    assert taps_policy(8, max_depth=None).draft_positions(15) == 15
     with pytest.raises(PolicyError, match="max_depth.*received 0"):
-        TapsPolicy(8, max_depth=0)
+        taps_policy(8, max_depth=0)

@@ -11,7 +11,8 @@ from helpers import hf_greedy, random_scorer, random_tree, tiny_drafter, tiny_ta
 from taps.decode import BatchDecoder, Request, SpeculativeDecoder, make_policy
 from taps.decode.lookup import TokenHistory, accepted_prefix, lookup_only_tree
 from taps.decode.policies.base import PolicyError
-from taps.decode.policies.lookup import ChainAcceptance, CostedLookupPolicy, TapsLookupPolicy
+from taps.decode.policies.lookup import costed_lookup_policy, taps_lookup_policy
+from taps.decode.policies.sources import ChainAcceptance
 from taps_kernels import Tree, graft_chain, lookup_chain
 from taps_kernels.backend import unavailable_reason
 
@@ -209,18 +210,19 @@ def test_lookup_only_tree_is_the_capped_chain():
 # --- acceptance estimate ------------------------------------------------------------------------------------------
 
 def test_acceptance_counts_the_accepted_prefix_of_the_kept_chain():
-    pol = TapsLookupPolicy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
+    pol = taps_lookup_policy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
+    est = pol.lookup.acceptance
     assert accepted_prefix([4, 5, 9], [4, 5, 6, 7]) == 2 and accepted_prefix([], [1]) == 0
     # row 0 proposes chain 4 5 6 7 after a 2-token match with 3 chain nodes kept; row 1 kept none
     start = ([1.0] * 4, [2.0] * 4)  # the prior's pseudo-counts
     pol.observe_rows({0: None, 1: None}, {0: [2, 3, 4, 5, 6, 7], 1: [1, 0, 9, 9, 9, 9]})
-    assert (pol.acceptance.success, pol.acceptance.failure) == start
+    assert (est.success, est.failure) == start
     pol.observe_rows({0: [4, 5, 1], 1: [9, 9]}, {0: [3, 2, 1, 1, 0, 0], 1: [1, 0, 0, 0, 0, 0]})
     # 2 of 3 kept chain tokens accepted, then one rejected
-    assert pol.acceptance.success[2] == pytest.approx(0.9 + 2) and pol.acceptance.failure[2] == pytest.approx(1.8 + 1)
-    assert pol.acceptance.success[1] == 1.0 and pol.acceptance.failure[1] == 2.0  # nothing kept: nothing learned
+    assert est.success[2] == pytest.approx(0.9 + 2) and est.failure[2] == pytest.approx(1.8 + 1)
+    assert est.success[1] == 1.0 and est.failure[1] == 2.0  # nothing kept: nothing learned
     pol.observe_rows({0: [1, 1, 5]}, {0: [0, 0, 0, 0, 0, 0]})
-    assert pol.acceptance.success[3] == pytest.approx(0.9 + 2) and pol.acceptance.failure[3] == pytest.approx(1.8)
+    assert est.success[3] == pytest.approx(0.9 + 2) and est.failure[3] == pytest.approx(1.8)
     acc = ChainAcceptance(3)
     assert acc.rate(2) == pytest.approx(1 / 3)
     acc.record(2, 3, False)
@@ -243,14 +245,14 @@ def models():
 
 
 def taps_lookup():
-    return TapsLookupPolicy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
+    return taps_lookup_policy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
 
 
 def policy_of(spec):
     if spec == "taps-lookup":
         return taps_lookup()
     if spec == "lookup-cost":
-        return CostedLookupPolicy(latency=LATENCY)
+        return costed_lookup_policy(latency=LATENCY)
     return make_policy(spec)
 
 
@@ -294,7 +296,7 @@ def test_lookup_policies_batched(models, spec, attention):
     assert [g.token_ids for g in got] == [ref for _, ref in reqs]
     assert max(r.accept_len for g in got for r in g.stats.rounds) > 2
     if spec != "lookup:4":  # the estimate learned from the target's verdicts (it starts at 1 and 2 per length)
-        assert sum(policy.acceptance.success) + sum(policy.acceptance.failure) != 3.0 * 4
+        assert sum(policy.lookup.acceptance.success) + sum(policy.lookup.acceptance.failure) != 3.0 * 4
 
 
 def test_failed_round_restores_the_history(models, monkeypatch):
@@ -321,7 +323,7 @@ def test_bad_lookup_specs():
     with pytest.raises(PolicyError, match="expected a budget >= 1"):
         make_policy("lookup:0")
     with pytest.raises(PolicyError, match="num_tokens expected an integer >= 1"):
-        TapsLookupPolicy(8, num_tokens=0)
+        taps_lookup_policy(8, num_tokens=0)
     with pytest.raises(RuntimeError, match="needs history="):
         make_policy("lookup").build(None, None, torch.tensor([1]))
 
@@ -330,7 +332,7 @@ def test_costed_lookup_sizes_the_chain_by_its_measured_rate(models):
     """A chain the target keeps rejecting shrinks to the root alone (plain ``lookup`` verifies K nodes every
     round); one it keeps accepting is verified in full."""
     target, _ = models
-    policy = CostedLookupPolicy(latency=LATENCY)
+    policy = costed_lookup_policy(latency=LATENCY)
     policy.bind(target, None, torch.device("cpu"))
     history = (torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 6, 7]]), torch.tensor([15]))
 
@@ -339,8 +341,8 @@ def test_costed_lookup_sizes_the_chain_by_its_measured_rate(models):
 
     assert nodes() == 3  # the prior (1 in 3): two chain nodes pay at 4 ms a node against a 51 ms plain round
     for _ in range(20):
-        policy.acceptance.record(3, 0, True)
+        policy.lookup.acceptance.record(3, 0, True)
     assert nodes() == 1
     for _ in range(40):
-        policy.acceptance.record(3, 9, False)
+        policy.lookup.acceptance.record(3, 9, False)
     assert nodes() == 1 + 10  # the whole chain: K = 10 of the 12 tokens after the match

@@ -309,10 +309,7 @@ class BatchDecoder:
 
     def _tree_width(self) -> int:
         """Widest tree the policy can build (upper bound for cache room)."""
-        for attr in ("pool_size", "budget", "max_nodes"):
-            if hasattr(self.policy, attr):
-                return int(getattr(self.policy, attr)) + 1
-        return self._max_depth + 1
+        return self.policy.tree_width(self._draft_positions)
 
     def _set_pending_row(self, b: int, tree: Tree) -> None:
         width = max(self._pending.tokens.shape[1], tree.tokens.shape[1])

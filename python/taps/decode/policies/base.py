@@ -16,6 +16,10 @@ embeddings, a measured latency table) get them in :meth:`TreePolicy.bind`,
 called once by the decoder before the first round (they may raise there, e.g.
 FileNotFoundError for a missing scorer). ``uses_drafter = False`` tells the loop
 not to run (or load) a drafter at all.
+
+The simple policies (``ar``, ``dflash``, ``ddtree``, ``lookup``) are one small class each; the costed ones
+are a :class:`.composed.ComposedPolicy` of proposal sources, a reach model, a size rule and an optional
+draft gate, whose capabilities (the attributes below) follow from its parts.
 """
 from __future__ import annotations
 
@@ -104,6 +108,11 @@ class TreePolicy:
         """Deepest node this policy's trees can have when the drafter has ``draft_positions`` positions (0:
         no drafter); the loop sizes the accepted path by it."""
         return draft_positions
+
+    def tree_width(self, draft_positions: int) -> int:
+        """Widest tree (root included) this policy builds when the drafter has ``draft_positions`` positions;
+        the loop reserves cache room for it. Default: a chain as deep as :meth:`max_tree_depth`."""
+        return self.max_tree_depth(draft_positions) + 1
 
     def wants_draft(self) -> bool:
         """Whether the coming round runs the drafter (for the whole batch); False: every row verifies its

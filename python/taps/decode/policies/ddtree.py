@@ -29,6 +29,9 @@ class DDTreePolicy(TreePolicy):
         # a tree of ``budget`` non-root nodes is at most ``budget`` deep
         return min(self.budget, num_positions)
 
+    def tree_width(self, draft_positions: int) -> int:
+        return self.budget + 1
+
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None):
         timer = timer or NO_TIMER
         with timer("pool"):

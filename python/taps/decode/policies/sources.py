@@ -1,0 +1,162 @@
+"""Proposal sources: where a composed policy's candidate nodes come from.
+
+* :class:`DraftPool`: the drafter's best-first candidate pool (:func:`taps_kernels.candidate_pool`).
+* :class:`LookupChain`: the prompt-lookup chain of each row's committed tokens
+  (:func:`taps_kernels.lookup_chain`), grafted into the pool (:func:`taps_kernels.graft_chain`) with reach
+  ``q_n ** (k + 1)`` for chain node ``k`` from its measured acceptance (:class:`ChainAcceptance`), and
+  what it learns from the target's verdicts on the chain nodes it got verified.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+import taps_kernels
+from taps_kernels import CandidatePool, Selection, Tree, graft_chain, lookup_chain
+from taps_kernels.ops.lookup import DEFAULT_MAX_NGRAM
+
+from ..lookup import accepted_prefix
+from ..tree_ops import IN_ROUND
+from .base import PolicyError
+
+#: Chain length: as HF's prompt-lookup examples (10 tokens).
+DEFAULT_LOOKUP_TOKENS = 10
+#: Weight of the newest observation's counts (older ones decay by this factor per observation).
+ACCEPTANCE_DECAY = 0.9
+#: Starting successes / failures of every match length (a chain token is first believed right one time in
+#: three). They decay like observations: a prior that stayed would hold the rate above the price of a node
+#: (~0.07 tokens on these CPUs) in text where lookup is never right.
+PRIOR = (1.0, 2.0)
+#: The pool's top-K when neither the pool nor the reach model names one.
+DEFAULT_TOP_K = 64
+
+
+class DraftPool:
+    """Best-first candidate pool of ``pool_size`` non-root nodes from the draft's top-``top_k`` tokens per position.
+
+    Args:
+        pool_size: non-root nodes per row.
+        top_k: tokens per position (None: the reach model's, e.g. the scorer's training top-K); capped at the
+            logits' width.
+        max_depth: deepest draft position the pool may use (None: every position the drafter has); the loop
+            projects only those positions onto the vocabulary.
+    """
+
+    def __init__(self, pool_size: int, top_k: Optional[int] = None, max_depth: Optional[int] = None):
+        if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1):
+            raise PolicyError(f"draft pool: max_depth expected an integer >= 1 or None, received {max_depth!r}")
+        self.pool_size = int(pool_size)
+        self.top_k = top_k
+        self.max_depth = max_depth
+
+    def positions(self, num_positions: int) -> int:
+        """Draft positions the pool reads of the drafter's ``num_positions``."""
+        return num_positions if self.max_depth is None else min(self.max_depth, num_positions)
+
+    def build(self, draft_logits: torch.Tensor, bonus: torch.Tensor, vocab_ids: Optional[torch.Tensor],
+              top_k: Optional[int] = None) -> CandidatePool:
+        """The pool of ``draft_logits [B, D, V]`` (columns mapped through ``vocab_ids`` when given) under the
+        roots ``bonus [B]``; ``top_k`` stands in for an unset :attr:`top_k`."""
+        k = self.top_k or top_k or DEFAULT_TOP_K
+        return taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), validate=IN_ROUND, vocab_ids=vocab_ids,
+                                           top_k=min(k, draft_logits.shape[-1]), pool_size=self.pool_size)
+
+
+class ChainAcceptance:
+    """Per match length ``n``, the rate ``q_n`` at which the target accepts the next chain token (a geometric
+    model of how far a chain holds), from decayed counts that start at ``prior``: a verified chain whose first
+    ``m`` tokens were in the tree adds ``a`` successes (its accepted prefix) and one failure when ``a < m``."""
+
+    def __init__(self, max_ngram: int, decay: float = ACCEPTANCE_DECAY, prior=PRIOR):
+        self.decay = float(decay)
+        self.success = [float(prior[0])] * (max_ngram + 1)
+        self.failure = [float(prior[1])] * (max_ngram + 1)
+
+    def record(self, ngram: int, accepted: int, failed: bool) -> None:
+        self.success[ngram] = self.decay * self.success[ngram] + accepted
+        self.failure[ngram] = self.decay * self.failure[ngram] + float(failed)
+
+    def rate(self, ngram: int) -> float:
+        s, f = self.success[ngram], self.failure[ngram]
+        return s / (s + f) if s + f > 0 else 0.0
+
+    def log_reach(self, ngram: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[B, K] float32`` chain log reach ``(k + 1) * log q_n`` of rows whose match length is ``ngram [B]``
+        (host floats enter as kernel scalars: nothing is copied to the device)."""
+        log_q = torch.zeros(ngram.shape, dtype=torch.float32, device=ngram.device)
+        for n in range(1, len(self.success)):
+            q = self.rate(n)  # 0 once the decayed successes underflow: reach 0, never worth a node
+            log_q = log_q.masked_fill(ngram == n, math.log(q) if q > 0 else float("-inf"))
+        depth = torch.arange(1, num_tokens + 1, dtype=torch.float32, device=ngram.device)
+        return log_q[:, None] * depth[None, :]
+
+
+def check_lookup_args(name: str, num_tokens: int, max_ngram: int) -> None:
+    for arg, v in (("num_tokens", num_tokens), ("max_ngram", max_ngram)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PolicyError(f"policy {name}: {arg} expected an integer >= 1, received {v!r}")
+
+
+def history_of(name: str, history):
+    if history is None:
+        raise RuntimeError(f"policy {name}: build() needs history= (the decoder passes it)")
+    return history
+
+
+@dataclass
+class Graft:
+    """One round's chains: ``ngram [B]`` match lengths, ``nodes [B, K]`` the pool node of each chain token (-1:
+    none), ``chain [B, K]`` the proposed tokens."""
+
+    ngram: torch.Tensor
+    nodes: torch.Tensor
+    chain: torch.Tensor
+
+
+class LookupChain:
+    """The prompt-lookup chain of each row as a proposal source with a learned reach.
+
+    Args:
+        num_tokens: longest chain ``K``.
+        max_ngram: longest suffix matched (the latest earlier occurrence of the last ``max_ngram``, else
+            fewer, tokens).
+    """
+
+    def __init__(self, num_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM):
+        self.num_tokens = num_tokens
+        self.max_ngram = max_ngram
+        self.reset()
+
+    def reset(self) -> None:
+        self.acceptance = ChainAcceptance(self.max_ngram)
+        self._chains: Dict[int, List[int]] = {}
+
+    def graft(self, name: str, tree: Tree, log_reach: torch.Tensor, history) -> Tuple[Tree, torch.Tensor, Graft]:
+        """The pool ``tree``/``log_reach`` with each row's chain grafted in (``history=(tokens [B, C], lengths
+        [B])``, each row's committed tokens)."""
+        tokens, lengths = history_of(name, history)
+        chain, chain_len, ngram = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram, validate=IN_ROUND)
+        tree, log_reach, nodes = graft_chain(tree, log_reach, chain, chain_len,
+                                             self.acceptance.log_reach(ngram, self.num_tokens), validate=IN_ROUND)
+        return tree, log_reach, Graft(ngram, nodes, chain)
+
+    @staticmethod
+    def aux(graft: Graft, sel: Selection) -> torch.Tensor:
+        """``[B, 2 + K] int64`` (match length, chain nodes the selection kept, the chain): what
+        :meth:`observe_rows` needs back from the round's read."""
+        nodes = graft.nodes
+        kept = ((nodes[:, :, None] == sel.pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)
+        return torch.cat([graft.ngram[:, None], kept[:, None], graft.chain], 1)
+
+    def observe_rows(self, accepted: Dict[int, Optional[List[int]]], aux: Dict[int, List[int]]) -> None:
+        """Record how much of each row's previous chain the target accepted; keep the chains verified next."""
+        for b, verified in accepted.items():
+            prev = self._chains.get(b)
+            if verified is not None and prev is not None and prev[1] > 0:
+                ngram, kept, chain = prev[0], prev[1], prev[2:2 + prev[1]]
+                a = accepted_prefix(verified, chain)
+                self.acceptance.record(ngram, a, a < kept)
+        self._chains.update(aux)
