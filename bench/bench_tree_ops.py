@@ -104,22 +104,21 @@ def run(args):
                 tree, log_reach = cand.tree, cand.logq
                 max_nodes = min(64, pool // 2)
                 latency = torch.tensor([0.01 + 0.0002 * n for n in range(pool + 1)], dtype=torch.float64)
-                rule_kwargs = {
-                    "reach": dict(),
-                    "throughput": dict(latency=latency, t0=0.005),
-                    "utility": dict(rule="utility", min_utility=1e-4),
+                # each row: the public op's rule, and the same rule as the C++ kernel's arguments
+                rules = {
+                    "reach": (tk.ReachRule(), dict(rule="reach")),
+                    "throughput": (tk.ReachRule(latency, t0=0.005), dict(rule="reach", latency=latency, t0=0.005)),
+                    "utility": (tk.UtilityRule(min_utility=1e-4), dict(rule="utility", min_utility=1e-4)),
                 }
-                for rule, kw in rule_kwargs.items():
-                    ref_sel = per_call_us(lambda: tk.select_subtree(tree, log_reach, max_nodes, backend="reference",
-                                                                    **kw), 1, args.ref_blocks)
-                    cpp_sel = per_call_us(lambda: tk.select_subtree(tree, log_reach, max_nodes, backend="cpp", **kw),
-                                          args.iters, args.blocks)
-                    raw_kw = dict(kw)
-                    raw_kw.setdefault("rule", "reach")
+                for name, (rule, raw_kw) in rules.items():
+                    ref_sel = per_call_us(lambda: tk.select_subtree(tree, log_reach, max_nodes, rule=rule,
+                                                                    backend="reference"), 1, args.ref_blocks)
+                    cpp_sel = per_call_us(lambda: tk.select_subtree(tree, log_reach, max_nodes, rule=rule,
+                                                                    backend="cpp"), args.iters, args.blocks)
                     wall, wall_min, cpu = raw_us(lambda n: _C.time_select_subtree(
                         tree.parents, tree.depth, tree.num_nodes, log_reach, max_nodes, iters=n, **raw_kw),
                         args.blocks, args.block_us)
-                    rows.append(dict(op=f"select_subtree[{rule}]", K=K, V=V, pool=pool, max_nodes=max_nodes,
+                    rows.append(dict(op=f"select_subtree[{name}]", K=K, V=V, pool=pool, max_nodes=max_nodes,
                                      ref_op_us=ref_sel, cpp_op_us=cpp_sel, cpp_raw_wall_us=wall,
                                      cpp_raw_wall_min_us=wall_min, cpp_raw_cpu_us=cpu))
             print(f"done K={K} V={V}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Public ops (shapes, dtypes and node order in each docstring; tree layout in
 :mod:`taps_kernels.layout`): :func:`candidate_pool`, :func:`topk_stats`,
-:func:`best_first_pool`, :func:`propagate_reach`, :func:`select_subtree`,
+:func:`best_first_pool`, :func:`propagate_reach`, :func:`select_subtree` (rules: :class:`ReachRule`,
+:class:`UtilityRule`, :class:`ThroughputRule`),
 :func:`tree_mask`, :func:`ancestor_bits_to_additive_mask`,
 :func:`tree_attention`, :func:`accept_greedy`, :func:`compact_kv`,
 :func:`score_edges` (weights: :class:`ScorerWeights`), and :func:`rows_linear` (few-row
@@ -17,7 +18,7 @@ from .layout import CandidatePool, Selection, TopKStats, Tree
 from .ops import (accept_greedy, ancestor_bits_to_additive_mask, best_first_pool, candidate_pool, compact_kv,
                   graft_chain, lookup_chain, propagate_reach, rows_linear, score_edges, select_subtree, topk_stats,
                   tree_attention, tree_mask)
-from .ops.select import UTILITY_PRESETS, ThroughputRule
+from .ops.select import ReachRule, ThroughputRule, UtilityRule
 from .scorer_weights import ScorerWeights
 
 __version__ = "0.1.0"
@@ -28,5 +29,6 @@ __all__ = [
     "Tree", "CandidatePool", "TopKStats", "Selection", "BackendUnavailable", "available_backends", "explain",
     "candidate_pool", "topk_stats", "best_first_pool", "propagate_reach", "select_subtree", "tree_mask",
     "ancestor_bits_to_additive_mask", "tree_attention", "accept_greedy", "compact_kv",
-    "score_edges", "ScorerWeights", "rows_linear", "lookup_chain", "graft_chain", "UTILITY_PRESETS", "ThroughputRule",
+    "score_edges", "ScorerWeights", "rows_linear", "lookup_chain", "graft_chain", "ReachRule", "UtilityRule",
+    "ThroughputRule",
 ]

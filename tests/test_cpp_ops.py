@@ -264,10 +264,11 @@ def test_select_subtree_matches_reference(B, N, kind):
     for max_nodes in sorted({1, 7, max(1, N - 1), N + 3}):
         _selection_same(*both(tk.select_subtree, tree, lr, max_nodes))
         lat = sorted(rng.uniform(0.01, 0.2) for _ in range(rng.randint(1, N + 5)))
-        _selection_same(*both(tk.select_subtree, tree, lr, max_nodes, latency=lat, t0=rng.uniform(0, 0.1)))
-        _selection_same(*both(tk.select_subtree, tree, lr, max_nodes, rule="utility", min_utility=0.0))
-        _selection_same(*both(tk.select_subtree, tree, lr, max_nodes, rule="utility", lambda_depth=0.05,
-                              min_utility=0.05))
+        _selection_same(*both(tk.select_subtree, tree, lr, max_nodes,
+                              rule=tk.ReachRule(lat, t0=rng.uniform(0, 0.1))))
+        _selection_same(*both(tk.select_subtree, tree, lr, max_nodes, rule=tk.UtilityRule(min_utility=0.0)))
+        _selection_same(*both(tk.select_subtree, tree, lr, max_nodes,
+                              rule=tk.UtilityRule(lambda_depth=0.05, min_utility=0.05)))
 
 
 def _is_prefix_closed(parents, kept):
@@ -283,9 +284,9 @@ def test_select_subtree_property(tree, seed, max_nodes, rule):
     lr = _log_reach(rng, tree, rng.choice(["monotone", "ties", "noisy"]))
     kwargs = {}
     if rule == "throughput":
-        kwargs = dict(latency=[rng.uniform(0.5, 2.0) for _ in range(rng.randint(1, 35))], t0=0.1)
+        kwargs = dict(rule=tk.ReachRule([rng.uniform(0.5, 2.0) for _ in range(rng.randint(1, 35))], t0=0.1))
     elif rule == "utility":
-        kwargs = dict(rule="utility", min_utility=rng.choice([0.0, 0.1]))
+        kwargs = dict(rule=tk.UtilityRule(min_utility=rng.choice([0.0, 0.1])))
     a, b = both(tk.select_subtree, tree, lr, max_nodes, **kwargs)
     _selection_same(a, b)
     for row in range(tree.batch_size):
@@ -349,7 +350,7 @@ def test_select_subtree_brute_force_oracle(seed):
     # Throughput rule: the chosen size maximises (1 + best total of n nodes) / (t0 + latency[n]).
     latency = [rng.uniform(0.5, 1.0) * (1 + 0.3 * k) for k in range(n_real)]
     t0 = rng.uniform(0.0, 0.5)
-    sel = tk.select_subtree(tree, lr, n_real, latency=latency, t0=t0, backend="cpp")
+    sel = tk.select_subtree(tree, lr, n_real, rule=tk.ReachRule(latency, t0=t0), backend="cpp")
     n_star = int(sel.num_selected[0])
     values = [(1 + best[k]) / (t0 + latency[k]) for k in range(n_real)]
     assert values[n_star] >= max(values) * (1 - 1e-9)

@@ -58,8 +58,9 @@ def test_unchecked_ops_equal_checked_ops(seed, top_k, vocab):
             assert g.dtype == torch.float32 and torch.equal(g, w)
     log_reach = want[2]
     assert torch.isfinite(log_reach).sum() > B, "the case must score real nodes"
-    for kw in (dict(), dict(latency=latency, t0=0.01), dict(latency=latency.tolist()),
-               dict(rule="utility", lambda_node=0.7, lambda_depth=0.05, min_utility=-4.0)):
+    for kw in (dict(), dict(rule=taps_kernels.ReachRule(latency, t0=0.01)),
+               dict(rule=taps_kernels.ReachRule(latency.tolist())),
+               dict(rule=taps_kernels.UtilityRule(lambda_node=0.7, lambda_depth=0.05, min_utility=-4.0))):
         for max_nodes in (1, 6, POOL + 3):
             got = taps_kernels.select_subtree(pool.tree, log_reach, max_nodes, **kw, validate="none")
             _assert_selection_equal(got, taps_kernels.select_subtree(want_pool.tree, log_reach, max_nodes, **kw))
@@ -129,8 +130,10 @@ def _build(logits, root, weights, emb, hidden, latency):
     """pool -> score -> select through the public ops as a round calls them; tensors out (the parts a round reads)."""
     pool = taps_kernels.candidate_pool(logits, root, TOP_K, POOL, validate="none")
     edge_logq, other_logq, log_reach = taps_kernels.score_edges(pool, weights, emb, hidden, validate="none")
-    by_reach = taps_kernels.select_subtree(pool.tree, log_reach, 6, latency=latency, t0=0.002, validate="none")
-    by_utility = taps_kernels.select_subtree(pool.tree, log_reach, 5, rule="utility", lambda_depth=0.05, validate="none")
+    by_reach = taps_kernels.select_subtree(pool.tree, log_reach, 6, rule=taps_kernels.ReachRule(latency, t0=0.002),
+                                           validate="none")
+    by_utility = taps_kernels.select_subtree(pool.tree, log_reach, 5, rule=taps_kernels.UtilityRule(lambda_depth=0.05),
+                                             validate="none")
     return (pool.tree.tokens, pool.logq, edge_logq, other_logq, log_reach, by_reach.tree.tokens,
             by_reach.tree.parents, by_reach.pool_index, by_reach.num_selected, by_utility.tree.depth,
             by_utility.pool_index)
@@ -211,11 +214,15 @@ def test_metadata_errors_name_the_argument_without_value_checks():
     _, _, log_reach = taps_kernels.score_edges(pool, tiny, validate="none")
     with pytest.raises(ValueError, match="max_nodes"):
         taps_kernels.select_subtree(pool.tree, log_reach, 0, validate="none")
-    with pytest.raises(ValueError, match="rule"):
+    with pytest.raises(TypeError, match="rule: expected a ReachRule, UtilityRule or ThroughputRule, received str"):
         taps_kernels.select_subtree(pool.tree, log_reach, 3, rule="best", validate="none")
-    with pytest.raises(ValueError, match="lambda_node"):
-        taps_kernels.select_subtree(pool.tree, log_reach, 3, rule="utility", lambda_node=0.0, validate="none")
-    with pytest.raises(ValueError, match="latency"):
-        taps_kernels.select_subtree(pool.tree, log_reach, 3, latency=torch.ones(4), rule="utility", validate="none")
+    with pytest.raises(ValueError, match=r"rule\.lambda_node: expected a float > 0\.0, received 0\.0"):
+        taps_kernels.select_subtree(pool.tree, log_reach, 3, rule=taps_kernels.UtilityRule(lambda_node=0.0),
+                                    validate="none")
+    with pytest.raises(TypeError, match="latency"):  # the table belongs to the reach rule
+        taps_kernels.UtilityRule(latency=torch.ones(4))
+    with pytest.raises(ValueError, match=r"rule\.latency: expected a non-empty 1-D table"):
+        taps_kernels.select_subtree(pool.tree, log_reach, 3, rule=taps_kernels.ReachRule(torch.ones(0)),
+                                    validate="none")
     with pytest.raises(ValueError, match="log_reach"):
         taps_kernels.select_subtree(pool.tree, log_reach[:, :-1], 3, validate="none")

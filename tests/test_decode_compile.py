@@ -77,7 +77,7 @@ def test_pool_score_select_compile_fullgraph():
     def build(logits, bonus, weights, latency, prefix_lens, target):
         pool = tk.candidate_pool(logits, bonus, top_k=4, pool_size=8, validate="none")
         _, _, log_reach = tk.score_edges(pool, weights, validate="none")
-        sel = tk.select_subtree(pool.tree, log_reach, 4, latency=latency, t0=0.001, validate="none")
+        sel = tk.select_subtree(pool.tree, log_reach, 4, rule=tk.ReachRule(latency, t0=0.001), validate="none")
         _, bits = tk.tree_mask(sel.tree, prefix_lens, validate="none")
         path, acc, nxt = tk.accept_greedy(sel.tree, target, max_depth=4, validate="none")
         return sel.tree.tokens, sel.tree.parents, sel.pool_index, log_reach, bits, path, acc, nxt
@@ -89,7 +89,7 @@ def test_pool_score_select_compile_fullgraph():
     prefix_lens, target = torch.tensor([7, 3]), torch.randint(30, (2, 5), generator=g)
     want = build(logits, bonus, weights, latency, prefix_lens, target)
     public = taps_kernels.select_subtree(taps_kernels.candidate_pool(logits, bonus, 4, 8).tree, want[3], 4,
-                                         latency=latency, t0=0.001)
+                                         rule=taps_kernels.ReachRule(latency, t0=0.001))
     assert torch.equal(want[0], public.tree.tokens) and torch.equal(want[2], public.pool_index)
     got = torch.compile(build, fullgraph=True, backend="aot_eager")(logits, bonus, weights, latency, prefix_lens,
                                                                     target)

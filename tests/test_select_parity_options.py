@@ -1,5 +1,5 @@
 """The utility rule's parity options (docs/DESIGN.md, "Upstream parity"): max_leaves, fill_below_threshold,
-max_children, min_nodes and the "paper" preset of select_subtree.
+max_children, min_nodes of select_subtree's UtilityRule, and UtilityRule.paper().
 
 Expected sets come from `expected_kept`, the greedy procedure written again from its definition with plain
 sets (ancestor paths, sibling positions counted by scanning); it never calls the reference. Defaults are
@@ -14,7 +14,6 @@ import taps_kernels as tk
 from helpers import make_tree, random_tree
 from taps_kernels import backend
 from taps_kernels.backend import BackendUnavailable
-from taps_kernels.ops.select import UTILITY_PRESETS
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -71,13 +70,18 @@ def rows_of(tree):
     return [[int(p) for p in tree.parents[b, :int(tree.num_nodes[b])]] for b in range(tree.parents.shape[0])]
 
 
-def check_selection(tree, lr, max_nodes, backend_name=None, lambda_node=1.0, lambda_depth=0.002, **kw):
-    """select_subtree against expected_kept on every row; returns the Selection."""
-    sel = tk.select_subtree(tree, lr, max_nodes, rule="utility", lambda_node=lambda_node, lambda_depth=lambda_depth,
-                            backend=backend_name, **kw)
+PAPER = dict(max_leaves=64, fill_below_threshold=True, max_children=16, min_nodes=4)
+
+
+def check_selection(tree, lr, max_nodes, backend_name=None, lambda_node=1.0, lambda_depth=0.002, paper=False, **kw):
+    """select_subtree against expected_kept on every row; returns the Selection. ``paper``: the rule is
+    ``UtilityRule.paper(**kw)`` (its four values, explicit ones winning), else ``UtilityRule(**kw)``."""
+    make = tk.UtilityRule.paper if paper else tk.UtilityRule
+    sel = tk.select_subtree(tree, lr, max_nodes, rule=make(lambda_node=lambda_node, lambda_depth=lambda_depth, **kw),
+                            backend=backend_name)
     opts = {k: v for k, v in kw.items() if k in OPTIONS}
-    if kw.get("preset"):
-        opts = {**UTILITY_PRESETS[kw["preset"]], **opts}
+    if paper:
+        opts = {**PAPER, **opts}
     for b, par in enumerate(rows_of(tree)):
         want = expected_kept(par, utilities(par, lr[b], lambda_node, lambda_depth), max_nodes,
                              kw.get("min_utility", 0.0), **opts)
@@ -138,8 +142,8 @@ def test_max_leaves_counts_taken_candidates_not_final_leaves():
     lr = [0.0, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6]  # utility order 1, 2, 3, 4, 5, 6: parents first
     # two candidates taken (1, 2): two nodes, although max_nodes allows 6 and the tree has two leaves
     assert _hand(lr, 6, max_leaves=2)[:2] == [1, 2]
-    assert tk.select_subtree(make_tree([(PAR, list(range(7)))], 7), torch.tensor([lr]), 6, rule="utility",
-                             max_leaves=2).num_selected.tolist() == [2]
+    assert tk.select_subtree(make_tree([(PAR, list(range(7)))], 7), torch.tensor([lr]), 6,
+                             rule=tk.UtilityRule(max_leaves=2)).num_selected.tolist() == [2]
     # node 1 taken first stays counted after node 3 makes it an inner node: 1, 3 -> two leaves used, tree of 2
     lr2 = [0.0, -0.1, -0.9, -0.2, -0.8, -0.95, -0.99]
     assert _hand(lr2, 6, max_leaves=2)[:2] == [1, 3]
@@ -216,7 +220,7 @@ def test_real_pools(K, D):
         for lr in (pool.logq, pool.logq + 0.3 * torch.randn(pool.logq.shape, generator=g)):
             lr = torch.where(pool.tree.parents >= 0, lr, pool.logq)  # keep padding -inf and root 0
             lr[:, 0] = 0.0
-            for kw in (random_options(rng, pool_size + 1), dict(preset="paper"), dict(preset="paper", max_leaves=2),
+            for kw in (random_options(rng, pool_size + 1), dict(paper=True), dict(paper=True, max_leaves=2),
                        dict(max_children=1, min_nodes=pool_size)):
                 check_selection(pool.tree, lr, rng.randint(1, pool_size + 1), min_utility=pick_threshold(rng, u0),
                                 lambda_depth=rng.choice([0.002, 0.3]), **kw)
@@ -230,8 +234,8 @@ def test_leaf_bound_and_prefix_closure_properties():
         tree = random_tree(rng, 1, n)
         lr = quantised_reach(rng, tree)
         m, cap = rng.randint(1, n), rng.randint(1, 4)
-        sel = tk.select_subtree(tree, lr, m, rule="utility", max_leaves=cap, fill_below_threshold=True,
-                                min_utility=rng.choice([0.0, 0.5, 5.0]))
+        sel = tk.select_subtree(tree, lr, m, rule=tk.UtilityRule(max_leaves=cap, fill_below_threshold=True,
+                                                                 min_utility=rng.choice([0.0, 0.5, 5.0])))
         k = int(sel.num_selected[0])
         par = sel.tree.parents[0, :k + 1].tolist()
         leaves = [r for r in range(1, k + 1) if r not in par]
@@ -256,59 +260,58 @@ def test_defaults_and_non_binding_values_keep_the_rule(seed):
         same = [dict(max_leaves=None, fill_below_threshold=False, max_children=None, min_nodes=0),
                 dict(max_leaves=m), dict(max_children=n), dict(fill_below_threshold=thr <= 0.0)]
         for kw in same:
-            sel = tk.select_subtree(tree, lr, m, rule="utility", min_utility=thr, backend="reference", **kw)
+            sel = tk.select_subtree(tree, lr, m, rule=tk.UtilityRule(min_utility=thr, **kw), backend="reference")
             assert torch.equal(sel.pool_index, base.pool_index) and torch.equal(sel.num_selected, base.num_selected)
         if HAVE_CPP:
-            c = tk.select_subtree(tree, lr, m, rule="utility", min_utility=thr, backend="cpp", **same[0])
+            c = tk.select_subtree(tree, lr, m, rule=tk.UtilityRule(min_utility=thr, **same[0]), backend="cpp")
             assert torch.equal(c.pool_index, base.pool_index) and torch.equal(c.num_selected, base.num_selected)
 
 
-# --------------------------------------------------------------------------------------- preset
-def test_paper_preset_values_and_explicit_override():
-    assert UTILITY_PRESETS["paper"] == dict(max_leaves=64, fill_below_threshold=True, max_children=16, min_nodes=4)
+# --------------------------------------------------------------------------------------- the authors' values
+def test_paper_values_and_explicit_override():
+    assert tk.UtilityRule.paper() == tk.UtilityRule(**PAPER)
     rng = random.Random(3)
     tree = random_tree(rng, 2, 12)
     lr = quantised_reach(rng, tree)
-    check_selection(tree, lr, 10, preset="paper", min_utility=5.0)
-    # explicit values win over the preset, defaults included
-    check_selection(tree, lr, 10, preset="paper", max_leaves=1, fill_below_threshold=False, min_utility=5.0)
-    a = tk.select_subtree(tree, lr, 10, rule="utility", preset="paper", max_leaves=None, fill_below_threshold=False,
-                          max_children=None, min_nodes=0)
-    b = tk.select_subtree(tree, lr, 10, rule="utility")
+    check_selection(tree, lr, 10, paper=True, min_utility=5.0)
+    # explicit values win over the authors', defaults included
+    check_selection(tree, lr, 10, paper=True, max_leaves=1, fill_below_threshold=False, min_utility=5.0)
+    a = tk.select_subtree(tree, lr, 10, rule=tk.UtilityRule.paper(max_leaves=None, fill_below_threshold=False,
+                                                                  max_children=None, min_nodes=0))
+    b = tk.select_subtree(tree, lr, 10, rule=tk.UtilityRule())
     assert torch.equal(a.pool_index, b.pool_index)
 
 
 # --------------------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("kw,exc,words", [
-    (dict(max_leaves=0), ValueError, "max_leaves"),
-    (dict(max_leaves=2.0), TypeError, "max_leaves"),
-    (dict(max_leaves=True), TypeError, "max_leaves"),
-    (dict(max_children=0), ValueError, "max_children"),
-    (dict(max_children="2"), TypeError, "max_children"),
-    (dict(min_nodes=-1), ValueError, "min_nodes"),
-    (dict(min_nodes=1.5), TypeError, "min_nodes"),
-    (dict(fill_below_threshold=1), TypeError, "fill_below_threshold"),
-    (dict(fill_below_threshold="yes"), TypeError, "fill_below_threshold"),
-    (dict(preset="Paper"), ValueError, "preset"),
-    (dict(preset=1), ValueError, "preset"),
-    (dict(rule="reach", max_leaves=3), ValueError, "max_leaves"),
-    (dict(rule="reach", fill_below_threshold=True), ValueError, "fill_below_threshold"),
-    (dict(rule="reach", max_children=2), ValueError, "max_children"),
-    (dict(rule="reach", min_nodes=2), ValueError, "min_nodes"),
-    (dict(rule="reach", preset="paper"), ValueError, "preset"),
+@pytest.mark.parametrize("make,exc,words", [
+    (lambda: tk.UtilityRule(max_leaves=0), ValueError, r"rule\.max_leaves: expected an int in \[1, .*received 0"),
+    (lambda: tk.UtilityRule(max_leaves=2.0), TypeError, "max_leaves"),
+    (lambda: tk.UtilityRule(max_leaves=True), TypeError, "max_leaves"),
+    (lambda: tk.UtilityRule(max_children=0), ValueError, "max_children"),
+    (lambda: tk.UtilityRule(max_children="2"), TypeError, "max_children"),
+    (lambda: tk.UtilityRule(min_nodes=-1), ValueError, "min_nodes"),
+    (lambda: tk.UtilityRule(min_nodes=1.5), TypeError, "min_nodes"),
+    (lambda: tk.UtilityRule(fill_below_threshold=1), TypeError, "fill_below_threshold"),
+    (lambda: tk.UtilityRule(fill_below_threshold="yes"), TypeError, "fill_below_threshold"),
+    (lambda: tk.UtilityRule.paper(max_leaves=0), ValueError, "max_leaves"),
+    (lambda: tk.UtilityRule.paper(maxleaves=3), TypeError, "maxleaves"),
+    (lambda: tk.ReachRule(max_leaves=3), TypeError, "max_leaves"),
+    (lambda: tk.ReachRule(fill_below_threshold=True), TypeError, "fill_below_threshold"),
+    (lambda: tk.ReachRule(max_children=2), TypeError, "max_children"),
+    (lambda: tk.ReachRule(min_nodes=2), TypeError, "min_nodes"),
+    (lambda: "utility", TypeError, "rule: expected a ReachRule, UtilityRule or ThroughputRule, received str"),
 ])
-def test_bad_options_are_refused_by_name(kw, exc, words):
+def test_bad_options_are_refused_by_name(make, exc, words):
     tree = make_tree([(PAR, list(range(7)))], 7)
-    kw = dict(dict(rule="utility"), **kw)
     with pytest.raises(exc, match=words):
-        tk.select_subtree(tree, torch.zeros(1, 7), 3, **kw)
+        tk.select_subtree(tree, torch.zeros(1, 7), 3, rule=make())
 
 
 def test_reach_rule_accepts_explicit_defaults():
     tree = make_tree([(PAR, list(range(7)))], 7)
-    a = tk.select_subtree(tree, torch.zeros(1, 7), 3, max_leaves=None, fill_below_threshold=False, max_children=None,
-                          min_nodes=0)
+    a = tk.select_subtree(tree, torch.zeros(1, 7), 3, rule=tk.ReachRule(latency=None, t0=0.0))
     assert a.num_selected.tolist() == [3]
+    assert torch.equal(a.pool_index, tk.select_subtree(tree, torch.zeros(1, 7), 3).pool_index)
 
 
 # --------------------------------------------------------------------------------------- backend declaration
@@ -317,11 +320,12 @@ def test_reach_rule_accepts_explicit_defaults():
 def test_explicit_fast_backend_refuses_options_by_name(name, option):
     tree = make_tree([(PAR, list(range(7)))], 7)
     with pytest.raises(BackendUnavailable, match=f"{option}={NON_DEFAULT[option]!r}"):
-        tk.select_subtree(tree, torch.zeros(1, 7), 3, rule="utility", backend=name, **{option: NON_DEFAULT[option]})
+        tk.select_subtree(tree, torch.zeros(1, 7), 3, rule=tk.UtilityRule(**{option: NON_DEFAULT[option]}),
+                          backend=name)
     with pytest.raises(BackendUnavailable, match="max_leaves=64"):
-        tk.select_subtree(tree, torch.zeros(1, 7), 3, rule="utility", backend=name, preset="paper")
+        tk.select_subtree(tree, torch.zeros(1, 7), 3, rule=tk.UtilityRule.paper(), backend=name)
     # default options still run there
-    tk.select_subtree(tree, torch.zeros(1, 7), 3, rule="utility", backend=name, min_nodes=0)
+    tk.select_subtree(tree, torch.zeros(1, 7), 3, rule=tk.UtilityRule(min_nodes=0), backend=name)
 
 
 @pytest.mark.skipif(not HAVE_CPP, reason="C++ extension not built")
@@ -346,6 +350,7 @@ def test_public_op_runs_the_reference_for_options_on_cpu():
     rng = random.Random(11)
     tree = random_tree(rng, 2, 10)
     lr = quantised_reach(rng, tree)
-    a = tk.select_subtree(tree, lr, 6, rule="utility", max_leaves=2, min_nodes=3)
-    b = tk.select_subtree(tree, lr, 6, rule="utility", max_leaves=2, min_nodes=3, backend="reference")
+    rule = tk.UtilityRule(max_leaves=2, min_nodes=3)
+    a = tk.select_subtree(tree, lr, 6, rule=rule)
+    b = tk.select_subtree(tree, lr, 6, rule=rule, backend="reference")
     assert torch.equal(a.pool_index, b.pool_index) and torch.equal(a.tree.parents, b.tree.parents)

@@ -224,15 +224,16 @@ def test_select_public_op_root_only_and_latency_on_device():
     tree = Tree(torch.tensor([[5, 0, 0]]), torch.tensor([[-1, -1, -1]], dtype=torch.int32),
                 torch.zeros(1, 3, dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
     lr = torch.tensor([[0.0, float("-inf"), float("-inf")]])
-    for kw in ({}, dict(latency=torch.tensor([0.1, 0.2], dtype=torch.float64, device=DEVICE)), dict(rule="utility")):
-        sel = tk.select_subtree(tree.to(DEVICE), lr.to(DEVICE), 4, backend="triton", **kw)
+    for rule in (tk.ReachRule(), tk.ReachRule(torch.tensor([0.1, 0.2], dtype=torch.float64, device=DEVICE)),
+                 tk.UtilityRule()):
+        sel = tk.select_subtree(tree.to(DEVICE), lr.to(DEVICE), 4, rule=rule, backend="triton")
         assert sel.num_selected.tolist() == [0]
         assert sel.pool_index.tolist() == [[0, -1, -1, -1, -1]]
         assert sel.tree.num_nodes.tolist() == [1] and sel.tree.parents.tolist() == [[-1] * 5]
     # a pool tree through the public op, latency as a device tensor
     tree, lr = _select_tree("pool", 2, 17, 7, True)
     lat = (0.05 + 0.01 * torch.arange(20, dtype=torch.float64)).to(DEVICE)
-    sel = tk.select_subtree(tree.to(DEVICE), lr.to(DEVICE), 10, latency=lat, t0=0.01, backend="triton")
+    sel = tk.select_subtree(tree.to(DEVICE), lr.to(DEVICE), 10, rule=tk.ReachRule(lat, t0=0.01), backend="triton")
     want = select_subtree_reference(tree.parents, tree.depth, tree.num_nodes, lr, 10, latency=lat.cpu(), t0=0.01)
     assert_identical(sel.pool_index, want[0], "pool_index")
     assert_identical(sel.num_selected, want[1], "num_selected")

@@ -182,7 +182,7 @@ def test_finding05_nan_and_posinf_refused_on_every_backend(bad):
     tree = chain(6)
     lr = -torch.arange(6, dtype=torch.float32)[None] * 0.3
     lr[0, 3] = bad
-    for rule in ("reach", "utility"):
+    for rule in (tk.ReachRule(), tk.UtilityRule()):
         for b in CPU_BACKENDS:
             with pytest.raises(ValueError, match=r"log_reach\[0,3\]"):
                 tk.select_subtree(tree, lr, 3, rule=rule, backend=b)
@@ -203,7 +203,8 @@ def test_finding05_neg_inf_is_an_impossible_token_identically_everywhere():
         with pytest.raises(ValueError, match=r"draft_logits\[1,2\]: every logit of this position is -inf"):
             tk.candidate_pool(all_impossible, torch.tensor([0, 1]), 5, 12, backend=b)
     lr = torch.tensor([[0.0, -1.0, float("-inf"), -0.5, float("-inf")]])
-    sels = [tk.select_subtree(chain(5), lr, 3, rule=r, backend=b) for r in ("reach", "utility") for b in CPU_BACKENDS]
+    sels = [tk.select_subtree(chain(5), lr, 3, rule=r, backend=b) for r in (tk.ReachRule(), tk.UtilityRule())
+            for b in CPU_BACKENDS]
     for s in sels[1:len(CPU_BACKENDS)]:
         assert torch.equal(s.pool_index, sels[0].pool_index)
 
@@ -327,8 +328,8 @@ def test_finding10_messages_name_the_argument_and_value(backend):
     with pytest.raises(ValueError, match=r"q: expected a head dim >= 1"):
         tk.tree_attention(torch.randn(1, 1, 3, 0), torch.randn(1, 1, 3, 0), torch.randn(1, 1, 3, 0),
                           torch.zeros(1, 3, 1, dtype=torch.int32), torch.tensor([0]), backend=backend)
-    with pytest.raises(ValueError, match=r"lambda_depth: expected a float >= 0\.0, received -1\.0"):
-        tk.select_subtree(tree, torch.zeros(1, 3), 1, rule="utility", lambda_depth=-1.0, backend=backend)
+    with pytest.raises(ValueError, match=r"rule\.lambda_depth: expected a float >= 0\.0, received -1\.0"):
+        tk.select_subtree(tree, torch.zeros(1, 3), 1, rule=tk.UtilityRule(lambda_depth=-1.0), backend=backend)
     with pytest.raises(ValueError, match=r"tree\.tokens: expected a tensor on cpu or cuda, received one on meta"):
         tk.accept_greedy(tree.to("meta"), torch.zeros(1, 3, dtype=torch.int64, device="meta"), 2, backend=backend)
     with pytest.raises(ValueError, match=r"pool_size: \d+ would need .* of outputs, more than the"):
@@ -387,7 +388,8 @@ def _valid_calls():
         "best_first_pool": lambda: tk.best_first_pool(stats, torch.tensor([0, 1]), 6),
         "propagate_reach": lambda: tk.propagate_reach(tree.parents, lr),
         "score_edges": lambda: tk.score_edges(pool, tk.ScorerWeights.random(tiny=True)),
-        "select_subtree": lambda: tk.select_subtree(tree, lr, 3, latency=torch.tensor([0.1, 0.2, 0.3]), t0=0.01),
+        "select_subtree": lambda: tk.select_subtree(tree, lr, 3,
+                                                    rule=tk.ReachRule(torch.tensor([0.1, 0.2, 0.3]), t0=0.01)),
         "tree_mask": lambda: tk.tree_mask(tree, torch.tensor([1, 0])),
         "additive_mask": lambda: tk.ancestor_bits_to_additive_mask(bits, torch.tensor([1, 0]), 9),
         "tree_attention": lambda: tk.tree_attention(torch.randn(2, 2, 5, 4), torch.randn(2, 1, 7, 4),

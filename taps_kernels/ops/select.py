@@ -1,7 +1,7 @@
 """Subtree selection: keep a prefix-closed subtree of the pool, by reach, throughput or published utility."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -14,14 +14,106 @@ from ..layout import Selection, Tree, validate_tree
 from ..reference.select import UTILITY_OPTION_DEFAULTS
 
 RULES = ("reach", "utility")
+"""The ``rule`` strings of the ``taps::select_subtree`` op (:class:`ReachRule`, :class:`UtilityRule`)."""
 
-UTILITY_PRESETS = {
-    # The TAPS authors' prefix-closed selector (docs/DESIGN.md, "Upstream parity"): at most 64 endpoints
-    # (max_verify_sequences), the threshold dropped when no node passes it, the first 16 children of a parent
-    # as candidates (per_parent_child_cap), at least 4 nodes (min_verify_nodes of the published runs).
-    "paper": dict(max_leaves=64, fill_below_threshold=True, max_children=16, min_nodes=4),
-}
-"""Named sets of the utility rule's options for ``select_subtree(..., preset=name)``."""
+
+@dataclass(frozen=True)
+class ReachRule:
+    """The top nodes by prefix-closed reach (parent-first ties), as many as ``max_nodes`` or the table pays for.
+
+    Fields:
+        latency: optional ``[L]`` seconds to verify root + n nodes, ``n = 0..L-1`` (a float tensor or a sequence
+            of floats); with it the size is ``n* = argmax (1 + sum of the top-n reaches) / (t0 + latency[n])``,
+            each round on its own (METHOD.md); entries finite with ``t0 + latency[n] > 0``. None: ``max_nodes``.
+        t0: finite fixed per-round seconds (draft, pool, selection) added to every latency entry.
+    """
+
+    latency: Optional[Union[torch.Tensor, Sequence[float]]] = None
+    t0: float = 0.0
+
+    def _op_args(self, device: torch.device) -> Tuple[tuple, dict]:
+        """The op's ``(latency, t0, rule, lambda_node, lambda_depth, min_utility)`` and options, checked."""
+        t0 = check_float("rule.t0", self.t0)
+        latency = self.latency
+        if latency is not None:
+            if not isinstance(latency, torch.Tensor):
+                try:
+                    latency = torch.as_tensor(latency, dtype=torch.float64)
+                except (TypeError, ValueError, RuntimeError) as exc:
+                    raise TypeError(f"rule.latency: expected a 1-D table of seconds (tensor or sequence of floats), "
+                                    f"received {type(latency).__name__} ({exc})") from None
+            check_tensor("rule.latency", latency, dtypes=FLOAT_DTYPES + (torch.float64,), ndim=1)
+            check_data_device("rule.latency", latency)
+            if latency.numel() < 1:
+                raise ValueError("rule.latency: expected a non-empty 1-D table of seconds, received shape (0,)")
+            latency = latency.to(torch.float64).to(device)
+        # the op's signature carries the utility scalars for both rules; the reach rule never reads them
+        unread = (UtilityRule.lambda_node, UtilityRule.lambda_depth, UtilityRule.min_utility)
+        return (latency, t0, "reach") + unread, {}
+
+
+_PAPER = dict(max_leaves=64, fill_below_threshold=True, max_children=16, min_nodes=4)
+
+
+@dataclass(frozen=True)
+class UtilityRule:
+    """The published utility rule: nodes by ``u = r / (lambda_node + lambda_depth * depth)`` with their ancestors,
+    stopping at the first below ``min_utility``; plus the TAPS authors' additions (docs/DESIGN.md, "Upstream
+    parity"), whose defaults give the rule as described, bit for bit. :meth:`paper` gives the authors' values.
+
+    Nodes are visited by ``(-u, index)`` in every pass.
+
+    Fields:
+        lambda_node: finite, ``> 0``. lambda_depth: finite, ``>= 0``.
+        min_utility: a float, not NaN (``-inf`` keeps going to ``max_nodes``).
+        max_leaves: None or an int ``>= 1``: the main pass ends after that many candidates added nodes (each is a
+            leaf when taken, so that pass leaves at most ``max_leaves`` leaves; when utility falls along paths
+            each adds one node, so the tree holds about ``max_leaves`` nodes).
+        fill_below_threshold: a bool; when no candidate reaches ``min_utility``, take candidates anyway (instead
+            of a root-only tree).
+        max_children: None or an int ``>= 1``: only the first ``max_children`` children of a parent, in pool
+            order (draft rank order in a best-first pool), are candidates; a later child can still enter as the
+            missing ancestor of a candidate, as in the authors' code.
+        min_nodes: an int ``>= 0``: while fewer than ``min(min_nodes, max_nodes)`` nodes are kept, a second pass
+            over all candidates, threshold and ``max_leaves`` ignored, adds more.
+
+    The C++ and Triton backends implement the four additions at their defaults only: other values run the
+    reference (a host loop; CUDA tensors are copied to the host), and ``backend="cpp"``/``"triton"`` raises
+    :class:`BackendUnavailable` naming the option.
+    """
+
+    lambda_node: float = 1.0
+    lambda_depth: float = 0.002
+    min_utility: float = 0.0
+    max_leaves: Optional[int] = None
+    fill_below_threshold: bool = False
+    max_children: Optional[int] = None
+    min_nodes: int = 0
+
+    @classmethod
+    def paper(cls, **overrides) -> "UtilityRule":
+        """The TAPS authors' prefix-closed selector: at most 64 endpoints (max_verify_sequences), the threshold
+        dropped when no node passes it, the first 16 children of a parent as candidates (per_parent_child_cap),
+        at least 4 nodes (min_verify_nodes of the published runs); ``overrides`` win, defaults included."""
+        return replace(cls(**_PAPER), **overrides)
+
+    def _op_args(self, device: torch.device) -> Tuple[tuple, dict]:
+        """The op's ``(latency, t0, rule, lambda_node, lambda_depth, min_utility)`` and the options off their
+        default (the backends that lack an option decline a call that names it), checked."""
+        scalars = (None, 0.0, "utility", check_float("rule.lambda_node", self.lambda_node, above=0.0),
+                   check_float("rule.lambda_depth", self.lambda_depth, at_least=0.0),
+                   check_float("rule.min_utility", self.min_utility, finite=False))
+        options = dict(max_leaves=self.max_leaves, fill_below_threshold=self.fill_below_threshold,
+                       max_children=self.max_children, min_nodes=self.min_nodes)
+        for name in ("max_leaves", "max_children"):
+            if options[name] is not None:
+                options[name] = check_int(f"rule.{name}", options[name], minimum=1)
+        fill = options["fill_below_threshold"]
+        if not (isinstance(fill, bool) or type(fill).__name__ == "bool_"):
+            raise TypeError(f"rule.fill_below_threshold: expected a bool, received {type(fill).__name__} {fill!r}")
+        options["fill_below_threshold"] = bool(fill)
+        options["min_nodes"] = check_int("rule.min_nodes", options["min_nodes"], minimum=0)
+        return scalars, {k: v for k, v in options.items() if v != UTILITY_OPTION_DEFAULTS[k]}
 
 
 @dataclass(frozen=True)
@@ -48,97 +140,35 @@ class ThroughputRule:
     rows: Optional[int] = None
 
 
-class _Unset:
-    """An option left out of the call: a preset may fill it; an explicit value, even the default, wins."""
-
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-_UNSET = _Unset()
-
-
-def _utility_options(rule: str, preset: Optional[str], given: dict) -> dict:
-    """The utility options after the preset (explicit values win), validated; returns only those off their default."""
-    if preset is not None:
-        if not isinstance(preset, str) or preset not in UTILITY_PRESETS:
-            raise ValueError(f"preset: expected None or one of {sorted(UTILITY_PRESETS)}, received {preset!r}")
-        if rule != "utility":
-            raise ValueError(f"preset: {preset!r} sets options of rule='utility', received rule={rule!r}")
-    values = dict(UTILITY_OPTION_DEFAULTS, **(UTILITY_PRESETS[preset] if preset is not None else {}))
-    values.update({k: v for k, v in given.items() if v is not _UNSET})
-    for name in ("max_leaves", "max_children"):
-        if values[name] is not None:
-            values[name] = check_int(name, values[name], minimum=1)
-    fill = values["fill_below_threshold"]
-    if not (isinstance(fill, bool) or type(fill).__name__ == "bool_"):
-        raise TypeError(f"fill_below_threshold: expected a bool, received {type(fill).__name__} {fill!r}")
-    values["fill_below_threshold"] = bool(fill)
-    values["min_nodes"] = check_int("min_nodes", values["min_nodes"], minimum=0)
-    changed = {k: v for k, v in values.items() if v != UTILITY_OPTION_DEFAULTS[k]}
-    if changed and rule != "utility":
-        name, value = next(iter(changed.items()))
-        raise ValueError(f"{name}: an option of rule='utility' only, received {name}={value!r} with rule={rule!r}")
-    return changed
-
-
 def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
-                   latency: Optional[Union[torch.Tensor, Sequence[float]]] = None, t0: float = 0.0,
-                   rule: str = "reach", lambda_node: float = 1.0, lambda_depth: float = 0.002,
-                   min_utility: float = 0.0, backend: Optional[str] = None,
-                   validate: Optional[str] = None, max_leaves: Optional[int] = _UNSET,
-                   fill_below_threshold: bool = _UNSET, max_children: Optional[int] = _UNSET,
-                   min_nodes: int = _UNSET, preset: Optional[str] = None) -> Selection:
+                   rule: Union[ReachRule, UtilityRule, ThroughputRule] = ReachRule(), backend: Optional[str] = None,
+                   validate: Optional[str] = None) -> Selection:
     """Choose the subtree to verify.
-
-    ``rule=ThroughputRule(latency, plain_seconds, rows)`` sizes the trees of the whole batch jointly (the rule the
-    shipped policies use; :class:`ThroughputRule`): ``latency``/``t0`` and the utility options do not apply, and
-    the :class:`Selection` carries ``expected``.
 
     Args:
         tree: the pool (:class:`Tree`, ``N`` rows).
         log_reach: ``[B, N]`` float log reach of each node (root 0).
         max_nodes: most non-root nodes kept (``>= 1``).
-        latency: optional ``[L]`` seconds to verify root + n nodes, ``n = 0..L-1``; with it (rule
-            ``"reach"``) the size is ``n* = argmax (1 + sum of the top-n reaches) / (t0 + latency[n])``.
-        t0: fixed per-round seconds (draft, pool, selection) added to every latency entry.
-        rule: ``"reach"`` (top nodes by prefix-closed reach, parent-first ties) or ``"utility"``
-            (published rule ``r / (lambda_node + lambda_depth * depth)`` with ancestor closure,
-            stopping below ``min_utility``).
-        lambda_node, lambda_depth: finite, ``lambda_node > 0`` and ``lambda_depth >= 0`` (checked for either rule).
-        min_utility: a float, not NaN (``-inf`` keeps going to ``max_nodes``).
-        max_leaves, fill_below_threshold, max_children, min_nodes: rule ``"utility"`` only; the TAPS authors'
-            additions to the rule (docs/DESIGN.md, "Upstream parity"). Defaults ``None``, ``False``, ``None``, ``0``
-            give the rule as described, bit for bit. Nodes are visited by ``(-u, index)`` in every pass.
-            ``max_children`` (int >= 1): only the first ``max_children`` children of a parent, in pool order
-            (draft rank order in a best-first pool), are candidates; a later child can still enter as the
-            missing ancestor of a candidate, as in the authors' code. ``fill_below_threshold``: when no candidate
-            reaches ``min_utility``, take candidates anyway (instead of a root-only tree). ``max_leaves``
-            (int >= 1): the main pass ends after that many candidates added nodes (each is a leaf when taken, so
-            that pass leaves at most ``max_leaves`` leaves; when utility falls along paths each adds one node, so
-            the tree holds about ``max_leaves`` nodes). ``min_nodes`` (int >= 0): while fewer than
-            ``min(min_nodes, max_nodes)`` nodes are kept, a second pass over all candidates, threshold and
-            ``max_leaves`` ignored, adds more. The C++ and Triton backends implement the defaults only: other
-            values run the reference (a host loop; CUDA tensors are copied to the host), and
-            ``backend="cpp"``/``"triton"`` raises :class:`BackendUnavailable` naming the option.
-        preset: ``None`` or a key of :data:`UTILITY_PRESETS` (``"paper"``: ``max_leaves=64``,
-            ``fill_below_threshold=True``, ``max_children=16``, ``min_nodes=4``); explicit options override it.
+        rule: which nodes, and how many, with the rule's own values (checked here, errors name the field):
+            :class:`ReachRule` (default: the top ``max_nodes`` by reach; with a latency table, the per-round
+            throughput size), :class:`UtilityRule` (the published utility rule; ``UtilityRule.paper()`` the
+            authors' settings) or :class:`ThroughputRule` (the batch's trees sized jointly, the rule the shipped
+            policies use; the :class:`Selection` then carries ``expected``).
+        backend: None (the dispatcher's choice, :mod:`taps_kernels.backend`) or a backend name.
         validate: value checks (tree structure, non-finite reach, latency table): ``"auto"`` (default, or
             ``TAPS_VALIDATE``) on CPU tensors only, ``"full"`` on any device, ``"none"`` never
             (:mod:`taps_kernels._checks`).
     Non-finite values: ``log_reach`` of real non-root nodes is finite or ``-inf`` (unreachable: ranked last, ties
-    by node index, identical on every backend); NaN and ``+inf`` are refused. ``latency`` entries must be finite
-    with ``t0 + latency[n] > 0``; ``t0`` finite.
+    by node index, identical on every backend); NaN and ``+inf`` are refused.
     Returns:
         :class:`Selection`: ``tree`` with ``max_nodes + 1`` rows (pool order kept, root first),
         ``pool_index [B, max_nodes+1] int64`` and ``num_selected [B] int32``.
     """
     if isinstance(rule, ThroughputRule):
-        if latency is not None or any(v is not _UNSET for v in (max_leaves, fill_below_threshold, max_children,
-                                                                 min_nodes)) or preset is not None:
-            raise ValueError("rule: ThroughputRule takes its table from the rule; latency=, the utility options and "
-                             "preset= do not apply")
         return _select_throughput(tree, log_reach, max_nodes, rule, backend, validate)
+    if not isinstance(rule, (ReachRule, UtilityRule)):
+        raise TypeError(f"rule: expected a ReachRule, UtilityRule or ThroughputRule, received "
+                        f"{type(rule).__name__} {rule!r}")
     validate_tree(tree, "tree", deep=False)  # values (structure, reach, latency table): in the op, as validate says
     dev = check_data_device("tree.tokens", tree.tokens)
     check_nonempty("tree.tokens", tree.tokens, [(0, "tree (batch row)")])
@@ -146,34 +176,10 @@ def select_subtree(tree: Tree, log_reach: torch.Tensor, max_nodes: int,
     B, N = tree.tokens.shape
     check_output_size("max_nodes", max_nodes, B * (max_nodes + 1) * (8 + 8 + 4 + 4), dev)
     check_tensor("log_reach", log_reach, dtypes=FLOAT_DTYPES, shape=(B, N), device=dev)
-    if rule not in RULES:
-        raise ValueError(f"rule: expected one of {RULES}, received {rule!r}")
-    t0 = check_float("t0", t0)
-    lambda_node = check_float("lambda_node", lambda_node, above=0.0)
-    lambda_depth = check_float("lambda_depth", lambda_depth, at_least=0.0)
-    min_utility = check_float("min_utility", min_utility, finite=False)
-    options = _utility_options(rule, preset, dict(max_leaves=max_leaves, fill_below_threshold=fill_below_threshold,
-                                                  max_children=max_children, min_nodes=min_nodes))
-    if latency is not None:
-        if not isinstance(latency, torch.Tensor):
-            try:
-                latency = torch.as_tensor(latency, dtype=torch.float64)
-            except (TypeError, ValueError, RuntimeError) as exc:
-                raise TypeError(f"latency: expected a 1-D table of seconds (tensor or sequence of floats), received "
-                                f"{type(latency).__name__} ({exc})") from None
-        check_tensor("latency", latency, dtypes=FLOAT_DTYPES + (torch.float64,), ndim=1)
-        check_data_device("latency", latency)
-        if latency.numel() < 1:
-            raise ValueError("latency: expected a non-empty 1-D table of seconds, received shape (0,)")
-        if rule != "reach":
-            raise ValueError("latency: the throughput rule needs rule='reach'")
-        latency = latency.to(torch.float64)
+    scalars, options = rule._op_args(dev)
     parents, depth, num_nodes = tree.parents.contiguous(), tree.depth.contiguous(), tree.num_nodes.contiguous()
-    if latency is not None:
-        latency = latency.to(dev)
     pool_index, num_selected = select_subtree_op(parents, depth, num_nodes, log_reach.float().contiguous(), max_nodes,
-                                                 latency, float(t0), rule, float(lambda_node), float(lambda_depth),
-                                                 float(min_utility), backend=backend, validate=validate, **options)
+                                                 *scalars, backend=backend, validate=validate, **options)
     # Re-index with the same backend when it has a re-indexer (cpp, triton); else the torch version (any device).
     reindex_backend = backend if backend is None or has_impl("reindex_subtree", backend) else "reference"
     sub = reindex_subtree_op(tree.tokens.contiguous(), parents, depth, num_nodes, pool_index, num_selected,

@@ -110,7 +110,7 @@ def base_args(op: str, g: torch.Generator) -> Dict[str, object]:
     if op == "select_subtree":
         t = random_tree(g, 2, 11)
         return {**tree_fields("tree", t), "log_reach": _log_reach(g, t), "max_nodes": 4, "latency": None,
-                "t0": 0.01, "rule": "reach", "lambda_node": 1.0, "lambda_depth": 0.002, "min_utility": 0.0}
+                "t0": 0.01, "rule": "reach"}
     if op == "select_subtree_latency":
         t = random_tree(g, 2, 11)
         return {**tree_fields("tree", t), "log_reach": _log_reach(g, t), "max_nodes": 6,
@@ -168,6 +168,17 @@ def _with_backend_env(backend, fn):
             os.environ["TAPS_BACKEND"] = old
 
 
+def take_rule(a: Dict[str, object]):
+    """The select_subtree rule named by the ``rule`` field (default ``"reach"``), built from the fields of that
+    rule; a ``rule`` value naming neither is passed on as it is (the public op must refuse it by name)."""
+    kind = a.get("rule", "reach")
+    if isinstance(kind, str) and kind == "reach":
+        return tk.ReachRule(**{k: a[k] for k in ("latency", "t0") if k in a})
+    if isinstance(kind, str) and kind == "utility":
+        return tk.UtilityRule(**{k: a[k] for k in ("lambda_node", "lambda_depth", "min_utility") if k in a})
+    return kind
+
+
 def call(op: str, a: Dict[str, object], backend: str, validate: Optional[str]):
     """Run ``op`` on the (possibly mutated) arguments with ``backend``; returns its outputs (in-place ops: the
     returned value plus every cache tensor after the call)."""
@@ -189,8 +200,7 @@ def call(op: str, a: Dict[str, object], backend: str, validate: Optional[str]):
         return tk.score_edges(_pool_from(a), a["weights"], a.get("token_embeddings"), a.get("drafter_hidden"),
                               backend=backend, **v)
     if op.startswith("select_subtree"):
-        kw = {k: a[k] for k in ("latency", "t0", "rule", "lambda_node", "lambda_depth", "min_utility") if k in a}
-        return tk.select_subtree(take_tree(a), a["log_reach"], a["max_nodes"], backend=backend, **kw, **v)
+        return tk.select_subtree(take_tree(a), a["log_reach"], a["max_nodes"], rule=take_rule(a), backend=backend, **v)
     if op == "tree_mask":
         return tk.tree_mask(take_tree(a), a["prefix_lens"], backend=backend, **v)
     if op == "additive_mask":

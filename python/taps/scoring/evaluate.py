@@ -296,8 +296,9 @@ def replay_throughput(traces: Dict[str, torch.Tensor], weights: Optional[ScorerW
         if "scorer" in reaches:
             r = reaches["scorer"]
             run_throughput("taps", r, "taps")
-            run("taps-ratio", r, "taps", max_nodes=cap, latency=lat_t, t0=t0 + overhead_s.get("taps", 0.0))
-            run("taps-paper", r, "taps", max_nodes=cap, rule="utility", min_utility=min_utility)
+            run("taps-ratio", r, "taps", max_nodes=cap,
+                rule=tk.ReachRule(lat_t, t0=t0 + overhead_s.get("taps", 0.0)))
+            run("taps-paper", r, "taps", max_nodes=cap, rule=tk.UtilityRule(min_utility=min_utility))
             for b in fixed_budgets:
                 run(f"taps-fixed:{b}", r, "taps", max_nodes=b)
     n_acc = torch.cat(accepted)
