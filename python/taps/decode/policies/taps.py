@@ -46,7 +46,7 @@ DEFAULT_MAX_DEPTH = 8
 RULES = ("reach", "fixed", "utility")
 
 
-def taps_size(rule: str, max_nodes: int, latency=None, min_utility: float = DEFAULT_MIN_UTILITY):
+def taps_size_rule(rule: str, max_nodes: int, latency=None, min_utility: float = DEFAULT_MIN_UTILITY):
     """The size rule of a TAPS variant: ``"reach"`` the throughput rule (with ``latency``), ``"fixed"`` the top
     ``max_nodes`` by reach, ``"utility"`` the published utility rule."""
     if rule == "reach":
@@ -89,7 +89,7 @@ def taps_policy(max_nodes: int = DEFAULT_CAP, rule: str = "reach", pool_size: Op
             ``taps-fixed`` and ``taps-paper`` keep every position (equal-budget comparisons).
     """
     pool, reach = scorer_pool(max_nodes, pool_size, tiny, scorer, top_k, max_depth)
-    return ComposedPolicy(taps_size(rule, max_nodes, latency, min_utility), draft=pool, reach=reach,
+    return ComposedPolicy(taps_size_rule(rule, max_nodes, latency, min_utility), draft=pool, reach=reach,
                           gate=gate and rule == "reach")
 
 
