@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 import taps.cli.common
 import taps.models.drafter
+import taps.models.drafter_prepare
 import taps.models.target
 from helpers import tiny_drafter, tiny_target
 from taps.scoring import traces as tr
@@ -31,7 +32,7 @@ def setup(monkeypatch, tmp_path):
     target, drafter = tiny_target(seed=5, vocab=V), tiny_drafter(seed=5, vocab=V)
     monkeypatch.setattr(taps.models.target, "load_target", lambda name: (target, Tok()))
     monkeypatch.setattr(taps.models.drafter, "load_drafter", lambda path, target_config: drafter)
-    monkeypatch.setattr(taps.models.drafter, "fast_head_dtype", lambda device: None)
+    monkeypatch.setattr(taps.models.drafter_prepare, "fast_head_dtype", lambda device: None)
     monkeypatch.setattr(taps.cli.common, "stop_token_ids", lambda tok, model: [])
     drafter_dir = tmp_path / "drafter"
     drafter_dir.mkdir()

@@ -369,3 +369,16 @@ def test_draft_vocab_rejects_bad_ids(bad):
     with pytest.raises(ValueError, match="draft vocab"):
         m.set_draft_vocab(bad)
     assert m.draft_vocab is None and m.config.draft_vocab_size is None
+
+
+def test_draft_modes_belong_to_each_drafter():
+    """The draft pass's modes are set per drafter by its constructor (defaults below); none lives on the class,
+    so one drafter's setting never shows through another."""
+    defaults = {"head_dtype": None, "short_blocks": False, "block_draft": None, "draft_vocab": None,
+                "full_vocab_logits": True}
+    a, b = make(0)[0], make(1)[0]
+    for name, value in defaults.items():
+        assert not hasattr(DFlashDrafter, name), name
+        assert name in vars(a) and getattr(a, name) == value, name
+    a.short_blocks, a.head_dtype, a.full_vocab_logits = True, torch.bfloat16, False
+    assert (b.short_blocks, b.head_dtype, b.full_vocab_logits) == (False, None, True)

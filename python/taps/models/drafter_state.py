@@ -1,0 +1,222 @@
+"""The drafter at inference: the context cache (:class:`DFlashState`) and the passes over it: append the
+committed tokens' context rows, roll back, draft one block per row."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class DFlashState:
+    """Drafter KV cache of CONTEXT rows, one row per request, preallocated.
+
+    ``k_buf[l]``, ``v_buf[l]``: ``[B, num_key_value_heads, capacity, head_dim]`` per layer (keys already
+    k-normed and rotated at their true positions). Row ``b`` holds its context in ``[0, lengths[b])``
+    (right-padded layout; rows may differ in length); rows past a length are scratch (a draft pass writes
+    its block there). ``lengths [B] int64`` lives on the buffers' device and is the truth; ``host_lengths``
+    is its host mirror (a list of ints) when known, or None after an update with device-side counts, until
+    the owner reports the new lengths with :meth:`set_host_lengths` (the decode loop does, from its one read
+    per round). ``bound`` is a host-side upper bound of ``max(lengths)`` that is always valid.
+    """
+
+    def __init__(self, k_buf: List[torch.Tensor], v_buf: List[torch.Tensor], lengths: torch.Tensor,
+                 host_lengths: Optional[List[int]] = None):
+        self.k_buf, self.v_buf, self.lengths = k_buf, v_buf, lengths
+        self.host_lengths = list(host_lengths) if host_lengths is not None else None
+        self.bound = max(self.host_lengths) if self.host_lengths else 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k_buf[0].shape[2] if self.k_buf else 0
+
+    def set_host_lengths(self, lengths: Sequence[int]) -> None:
+        """Report the device lengths on the host (no transfer: the caller already knows them)."""
+        self.host_lengths = [int(x) for x in lengths]
+        self.bound = max(self.host_lengths) if self.host_lengths else 0
+
+    @property
+    def length(self) -> int:
+        """The common context length of all rows (host side); raises when rows differ or it is not known."""
+        if self.host_lengths is None:
+            raise ValueError("state.length: the lengths were updated on the device; call set_host_lengths first")
+        if len(set(self.host_lengths)) > 1:
+            raise ValueError(f"state.length: rows have different lengths {self.host_lengths}; use host_lengths")
+        return self.host_lengths[0] if self.host_lengths else 0
+
+    @property
+    def k(self) -> List[torch.Tensor]:
+        """Per-layer key views ``[B, nkv, bound, hd]`` of the buffers (rows past each length are scratch)."""
+        return [k[:, :, :self.bound] for k in self.k_buf]
+
+    @property
+    def v(self) -> List[torch.Tensor]:
+        return [v[:, :, :self.bound] for v in self.v_buf]
+
+    def snapshot(self):
+        """What a failed round must restore: ``(lengths copy, host lengths, bound)``."""
+        return self.lengths.clone(), None if self.host_lengths is None else list(self.host_lengths), self.bound
+
+    def restore(self, snap) -> None:
+        lengths, host, bound = snap
+        self.lengths.copy_(lengths)
+        self.host_lengths, self.bound = (list(host) if host is not None else None), bound
+
+
+class DrafterInference:
+    """The inference passes of :class:`taps.models.drafter.DFlashDrafter` (mixed into it): they read its
+    ``config``, ``fc``, ``layers``, ``norm``, the modes ``short_blocks``, ``block_draft`` and
+    ``full_vocab_logits``, and its context projection, RoPE, embedding and vocabulary projection."""
+
+    #: context rows a fresh state holds before its buffers grow (doubling)
+    INITIAL_CAPACITY = 256
+
+    def new_state(self, batch_size: int = 1, capacity: Optional[int] = None) -> DFlashState:
+        """Empty context cache for ``batch_size`` rows, room for ``capacity`` context rows each (it grows)."""
+        c = self.config
+        dev, dt = self.fc.weight.device, self._dtype()
+        cap = max(int(capacity or self.INITIAL_CAPACITY), 1) + c.block_size
+        z = lambda: torch.zeros(batch_size, c.num_key_value_heads, cap, c.head_dim, device=dev, dtype=dt)  # noqa: E731
+        return DFlashState([z() for _ in self.layers], [z() for _ in self.layers],
+                           torch.zeros(batch_size, dtype=torch.int64, device=dev), [0] * batch_size)
+
+    def _reserve(self, state: DFlashState, rows: int) -> None:
+        """Grow the buffers (doubling, rows kept) so that every row has room for ``rows`` rows."""
+        need = rows + self.config.block_size
+        if need <= state.capacity:
+            return
+        cap = max(need, 2 * state.capacity)
+        for group in (state.k_buf, state.v_buf):
+            for l, t in enumerate(group):
+                new = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+                new[:, :, :t.shape[2]] = t
+                group[l] = new
+
+    @staticmethod
+    def _rows(state: DFlashState, rows: Optional[slice], n: int, name: str) -> slice:
+        rows = slice(0, n) if rows is None else rows
+        start, stop = rows.start or 0, rows.stop
+        if rows.step not in (None, 1) or stop is None or not 0 <= start < stop <= state.batch_size \
+                or stop - start != n:
+            raise ValueError(f"{name}: expected {n} rows = state rows {rows} (a contiguous range inside "
+                             f"[0, {state.batch_size})), received {n}")
+        return slice(start, stop)
+
+    @torch.no_grad()
+    def append_context(self, state: DFlashState, ctx_features: torch.Tensor, counts: Optional[torch.Tensor] = None,
+                       rows: Optional[slice] = None) -> DFlashState:
+        """Project target features of newly committed tokens and append their K/V rows to every layer.
+
+        Args:
+            ctx_features: ``[R, T, n*H]``; feature row r feeds state row ``rows.start + r`` (default: rows
+                ``0 .. R-1``), at positions ``lengths[row] .. lengths[row] + counts[r] - 1``.
+            counts: ``[R] int64`` on the state's device: how many of the T feature rows are real (the rest is
+                written as scratch past the new length). None: all T, and the host lengths stay known; with
+                device counts the host mirror becomes unknown (:meth:`DFlashState.set_host_lengths`).
+            rows: a contiguous ``slice`` of state rows (default ``slice(0, R)``).
+        Returns the same ``state``. Nothing is read back to the host.
+        """
+        R, T, _ = ctx_features.shape
+        if T == 0:
+            return state
+        sl = self._rows(state, rows, R, "ctx_features")
+        self._reserve(state, state.bound + T)
+        h = self.project_context(ctx_features)
+        lengths = state.lengths[sl]
+        if self.block_draft is not None:
+            self.block_draft.append_kv(state, sl, h)
+        else:
+            pos = lengths[:, None] + torch.arange(T, device=h.device)
+            c = self.config
+            index = pos[:, None, :, None].expand(R, c.num_key_value_heads, T, c.head_dim)
+            for l, (k, v) in enumerate(self._context_kv(h, pos)):
+                state.k_buf[l][sl].scatter_(2, index, k.to(state.k_buf[l].dtype))
+                state.v_buf[l][sl].scatter_(2, index, v.to(state.v_buf[l].dtype))
+        lengths += T if counts is None else counts.to(torch.int64)
+        if counts is None and state.host_lengths is not None:
+            host = list(state.host_lengths)
+            for b in range(sl.start, sl.stop):
+                host[b] += T
+            state.set_host_lengths(host)
+        else:
+            state.host_lengths = None
+            state.bound += T
+        return state
+
+    def rollback(self, state: DFlashState, length) -> DFlashState:
+        """Crop the context cache: ``length`` an int (every row) or a host list of per-row lengths, each
+        within ``[0, current length]``."""
+        cur = state.host_lengths
+        want = [int(length)] * state.batch_size if isinstance(length, int) else [int(x) for x in length]
+        if len(want) != state.batch_size:
+            raise ValueError(f"rollback length: expected {state.batch_size} per-row lengths, received {len(want)}")
+        for b, n in enumerate(want):
+            if n < 0 or (cur is not None and n > cur[b]) or (cur is None and n > state.bound):
+                have = cur[b] if cur is not None else f"<= {state.bound}"
+                raise ValueError(f"rollback length {n} of row {b} outside [0, {have}]")
+        state.lengths.copy_(torch.tensor(want, dtype=torch.int64))
+        state.set_host_lengths(want)
+        return state
+
+    def reset_row(self, state: DFlashState, row: int) -> None:
+        """Empty one row (a request left; the next one starts from no context)."""
+        state.lengths[row] = 0
+        if state.host_lengths is not None:
+            host = list(state.host_lengths)
+            host[row] = 0
+            state.set_host_lengths(host)
+
+    @torch.no_grad()
+    def draft(self, state: DFlashState, bonus_tokens: torch.Tensor, embed_tokens, lm_head,
+              rows: Optional[slice] = None, num_positions: Optional[int] = None,
+              full_vocab_logits: Optional[bool] = None):
+        """One draft pass for rows of the state (default: rows ``0 .. B-1``, one per bonus token).
+
+        bonus_tokens ``[B] int64``: row b's block is ``[bonus, MASK x D]`` at positions
+        ``lengths[b] .. lengths[b]+D`` (``D = block_size-1``), attending to its own context rows and
+        bidirectionally inside the block. Attention is one fused SDPA call per layer over the buffer in
+        place: without a mask when all rows have the same (host-known) context length, else with a boolean
+        key-padding mask. ``rows``: a contiguous ``slice`` of state rows.
+        ``num_positions`` P (default D): only block positions ``1..P`` are normed and projected onto the
+        vocabulary (a policy that never uses deeper positions passes its depth cap); with
+        :attr:`short_blocks` the block itself is ``[bonus, MASK x P]``.
+        Returns ``(logits [B,P,V] float32, hidden [B,P,H])`` for block positions ``1..P`` (with a draft
+        vocabulary: ``-inf`` outside it, or ``[B,P,V_draft]`` when ``full_vocab_logits`` is False; None: the
+        attribute :attr:`full_vocab_logits`). The state's
+        lengths and context rows are not modified (the block's K/V go to scratch rows past each length).
+        """
+        c = self.config
+        B = bonus_tokens.shape[0]
+        sl = self._rows(state, rows, B, "bonus_tokens")
+        D = c.block_size - 1
+        P = D if num_positions is None else int(num_positions)
+        if not 1 <= P <= D:
+            raise ValueError(f"num_positions: expected 1..{D} (block_size-1), received {num_positions}")
+        S = P + 1 if self.short_blocks else c.block_size
+        dev = self.fc.weight.device
+        self._reserve(state, state.bound)
+        if self.block_draft is not None:  # the whole pass in one C++ call (taps.models.drafter_blocks)
+            full = self.full_vocab_logits if full_vocab_logits is None else bool(full_vocab_logits)
+            return self.block_draft.draft(state, sl, bonus_tokens, embed_tokens, lm_head, P, S, full)
+        ids = torch.full((B, S), self.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = bonus_tokens.to(dev)
+        x = self._embed(embed_tokens, ids)
+        lengths = state.lengths[sl]
+        pos = lengths[:, None] + torch.arange(S, device=dev)
+        cos, sin = self._rope(pos, x.dtype)
+        index = pos[:, None, :, None].expand(B, c.num_key_value_heads, S, c.head_dim)
+        host = None if state.host_lengths is None else state.host_lengths[sl]
+        if host is not None and len(set(host)) <= 1:
+            kv_len, key_mask = (host[0] if host else 0) + S, None
+        else:
+            kv_len = (max(host) if host is not None else state.bound) + S
+            key_mask = (torch.arange(kv_len, device=dev)[None, :] < (lengths + S)[:, None])[:, None, None, :]
+        for l, layer in enumerate(self.layers):
+            x = layer.forward_cached(x, cos, sin, state.k_buf[l][sl], state.v_buf[l][sl], index, kv_len, key_mask)
+        # only the positions the caller can use go through the final norm and the vocabulary head
+        hidden = self.norm(x[:, 1:1 + P])
+        full = self.full_vocab_logits if full_vocab_logits is None else bool(full_vocab_logits)
+        return self._vocab_logits(hidden, lm_head, full), hidden
