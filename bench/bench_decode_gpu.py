@@ -323,10 +323,17 @@ class Runner:
 
     def policy(self, spec):
         from taps.decode import make_policy
+        from taps.decode.policies import policy_options
 
-        p = make_policy(spec)
-        if hasattr(p, "scorer") and hasattr(p, "latency"):  # the TAPS family: shipped scorer, measured table
-            p.scorer, p.top_k, p.latency = self.scorer, self.top_k, self.latency
+        from taps.decode.policies.reach import ScorerReach
+        from taps.decode.policies.sizing import ThroughputSize
+
+        # the TAPS family reads this run's scorer (and its top-K) and the table measured above
+        p = make_policy(spec, **({"scorer": self.scorer} if "scorer" in policy_options(spec) else {}))
+        if isinstance(getattr(p, "reach", None), ScorerReach):
+            p.reach.top_k = self.top_k
+        if isinstance(getattr(p, "size", None), ThroughputSize):
+            p.size.latency = self.latency
         return p
 
     @torch.inference_mode()

@@ -125,7 +125,7 @@ class ThroughputRule:
     ``k* = argmax_k sum_{i<=k} r_(i) - rows * (latency[k] - latency[0]) / plain_seconds``; row b's tree is its best
     ``n_b`` nodes (its entries among the first ``k*``), so a row whose draft is poor gets few nodes and a batch on
     flat verify costs (a GPU) gets large trees everywhere; one row is the one-row rule. Why long-run rate and not
-    each round's own ratio: :class:`taps.decode.policies.gate.GatedPolicy`. Reach must be non-increasing along
+    each round's own ratio: :class:`taps.decode.policies.sizing.ThroughputSize`. Reach must be non-increasing along
     paths (pool log-masses and scorer reach are), so each row's top nodes are prefix-closed.
 
     Fields:

@@ -148,7 +148,7 @@ def select_subtree_reference(parents: torch.Tensor, depth: torch.Tensor, num_nod
 def select_throughput_reference(parents: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
                                 log_reach: torch.Tensor, max_nodes: int, table: torch.Tensor, plain_seconds: float,
                                 rows: int):
-    """The batch throughput rule of :class:`taps.decode.policies.gate.GatedPolicy`: tree sizes chosen jointly for
+    """The batch throughput rule of :class:`taps.decode.policies.sizing.ThroughputSize`: tree sizes chosen jointly for
     the whole batch, each row's tree its best nodes by reach.
 
     Args:
