@@ -1,4 +1,4 @@
-"""Microbenchmark of the device-side prompt lookup (``taps.decode.lookup``): the n-gram match over each row's
+"""Microbenchmark of the device-side prompt lookup (``taps.decode.token_history``): the n-gram match over each row's
 committed tokens (``lookup_chain``) and the graft of the matched chain into a candidate pool (``graft_chain``),
 the two stages ``taps-lookup`` adds to a round (the ``lookup`` column of the benchmark's time split).
 

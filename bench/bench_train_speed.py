@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "python"))
 
 
 def _run(data: str, steps: int, bf16: bool, threads: int, layers: int, block: int, batch: int) -> dict:
-    from taps.training.train import TrainConfig, train_drafter
+    from taps.training.train_drafter import TrainConfig, train_drafter
 
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(data=data, out=out, steps=steps, bf16=bf16, threads=threads, num_layers=layers,

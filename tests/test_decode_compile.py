@@ -101,7 +101,7 @@ def test_prompt_lookup_compiles_fullgraph():
     """History append, n-gram match, graft into a pool and the lookup-only tree: one graph, equal to eager."""
     import random
 
-    from taps.decode.lookup import TokenHistory, lookup_only_tree
+    from taps.decode.token_history import TokenHistory, lookup_only_tree
     from taps_kernels.reference.lookup import graft_chain_reference as graft_chain
     from taps_kernels.reference.lookup import lookup_chain_reference as lookup_chain
 

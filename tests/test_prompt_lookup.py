@@ -9,7 +9,7 @@ import torch
 
 from helpers import hf_greedy, random_scorer, random_tree, tiny_drafter, tiny_target
 from taps.decode import BatchDecoder, Request, SpeculativeDecoder, make_policy
-from taps.decode.lookup import TokenHistory, accepted_prefix, lookup_only_tree
+from taps.decode.token_history import TokenHistory, accepted_prefix, lookup_only_tree
 from taps.decode.policies.base import PolicyError
 from taps.decode.policies.lookup import costed_lookup_policy, taps_lookup_policy
 from taps.decode.policies.sources import ChainAcceptance

@@ -8,11 +8,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import hf_greedy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps.decode.latency import round_seconds
-from taps.scoring.evaluate import evaluate_scorer, reliability
+from taps.scoring.eval_scorer import evaluate_scorer, reliability
 from taps.decode.latency import drafter_key, get_table, isotonic, measure_latency
 from taps.scoring.traces import accepted_mask, load_traces, split_by_prompt, stack_records, trace_prompt
 from taps.scoring.model import TapsScorer
-from taps.scoring.train import DEPTH_TABLE, edge_targets, train_scorer
+from taps.scoring.train_scorer import DEPTH_TABLE, edge_targets, train_scorer
 
 V, HID, D = 61, 32, 4
 
@@ -105,7 +105,7 @@ def follow_the_draft_argmax(tr):
 
 def marginal_loss(tr):
     """The training loss of the marginal product: children get their draft probability, "other" the rest."""
-    from taps.scoring.train import scorer_loss
+    from taps.scoring.train_scorer import scorer_loss
 
     step, parents = tr["step_logq"].float(), tr["parents"].long()
     valid = parents >= 0
@@ -118,7 +118,7 @@ def marginal_loss(tr):
 
 @pytest.mark.parametrize("tiny", [False, True])
 def test_trained_scorer_beats_the_marginal_product_on_a_known_target(traces, models, tiny):
-    from taps.scoring.train import evaluate_loss
+    from taps.scoring.train_scorer import evaluate_loss
 
     _, tr = traces
     syn = follow_the_draft_argmax(tr)
@@ -227,7 +227,7 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
 
 
 def test_replay_full_pool_tau_and_costs(traces, models):
-    from taps.scoring.evaluate import replay_throughput
+    from taps.scoring.eval_scorer import replay_throughput
 
     _, tr = traces
     emb = models[0].get_input_embeddings().weight.detach()
@@ -252,7 +252,7 @@ def test_best_mix_maximises_the_aggregate_rate():
     """Dinkelbach's choice equals the brute-force optimum over every subset (small random cases)."""
     import itertools
 
-    from taps.scoring.evaluate import _best_mix
+    from taps.scoring.eval_scorer import _best_mix
 
     g = torch.Generator().manual_seed(0)
     for _ in range(30):

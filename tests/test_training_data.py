@@ -10,7 +10,7 @@ from taps.data.magpie import clean_turn
 from taps.training.data import BuildDataConfig
 from taps.training.draft_vocab import select_draft_vocab, vocab_coverage
 from taps.models.drafter import DFlashConfig, DFlashDrafter
-from taps.training.train import TrainConfig, block_loss, keep_layers, make_batch
+from taps.training.train_drafter import TrainConfig, block_loss, keep_layers, make_batch
 
 
 def _prompts():
@@ -158,7 +158,7 @@ def test_shard_format2_roundtrip_and_expected_counts(tmp_path):
 
     from taps.training.data import _pack_shard
     from taps.training.draft_vocab import expected_token_counts, response_token_counts
-    from taps.training.train import ShardData
+    from taps.training.train_drafter import ShardData
 
     model = tiny_target(2)
     gen = LlamaGenerator(model, layer_ids=[1, 3])
@@ -193,7 +193,7 @@ def test_train_drafter_resumes_from_its_checkpoint_without_the_parent(tmp_path, 
 
     import taps.models.target as target_mod
     from taps.training.data import _pack_shard
-    from taps.training.train import train_drafter
+    from taps.training.train_drafter import train_drafter
 
     target = tiny_target(2)
     monkeypatch.setattr(target_mod, "load_target", lambda name, **kw: (target, None))
@@ -265,7 +265,7 @@ def test_eval_drafter_heads_and_vocabulary(tmp_path):
     import json
 
     from taps.training.data import _pack_shard
-    from taps.training.evaluate import eval_drafter
+    from taps.training.eval_drafter import eval_drafter
 
     target = tiny_target(2)
     res = LlamaGenerator(target, layer_ids=[0, 1]).generate(_prompts(), 12, eos_id=-1)
@@ -343,7 +343,7 @@ def test_build_data_gguf_shards_equal_rows_alone_and_resume(tmp_path, monkeypatc
     from taps.models.gguf_target import load_gguf_target
     from taps.models.target import apply_chat_template
     from taps.training.data import build_data
-    from taps.training.train import ShardData
+    from taps.training.train_drafter import ShardData
 
     _C = pytest.importorskip("taps_kernels._C")
     if not (_C.gguf_forward_available() and _C.gguf_vnni_available()):

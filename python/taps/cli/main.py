@@ -25,11 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_subcommand(sub)
     bench.add_subcommand(sub)
     try:
-        train = importlib.import_module("taps.cli.train")
+        drafter_cmds = importlib.import_module("taps.cli.drafter_cmds")
     except ImportError:
-        train = None  # training extras not installed: inference commands still work
-    if train is not None and hasattr(train, "add_subcommands"):
-        train.add_subcommands(sub)
+        drafter_cmds = None  # training extras not installed: inference commands still work
+    if drafter_cmds is not None and hasattr(drafter_cmds, "add_subcommands"):
+        drafter_cmds.add_subcommands(sub)
     from . import export_drafter, report, scorer_cmds
 
     scorer_cmds.add_subcommands(sub)  # traces, train-scorer, eval-scorer, calibrate

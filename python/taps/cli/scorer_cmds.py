@@ -108,11 +108,11 @@ def _readme(name, cmd, meta, ev, hist, params, tiny, traces_doc=False):
 def _cmd_train(args):
     import torch
 
-    from taps.scoring.evaluate import evaluate_scorer, format_eval
+    from taps.scoring.eval_scorer import evaluate_scorer, format_eval
     from taps.scoring.io import save_scorer
     from taps.scoring.model import count_parameters
     from taps.paths import portable_path
-    from taps.scoring.train import InitShapeError, ScorerTrainOptions, target_embeddings, train_scorer
+    from taps.scoring.train_scorer import InitShapeError, ScorerTrainOptions, target_embeddings, train_scorer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -168,10 +168,10 @@ def _cmd_train(args):
 def _cmd_eval(args):
     import torch
 
-    from taps.scoring.evaluate import evaluate_scorer, format_eval
+    from taps.scoring.eval_scorer import evaluate_scorer, format_eval
     from taps.scoring.io import load_scorer_weights
     from taps.scoring.traces import load_traces
-    from taps.scoring.train import target_embeddings
+    from taps.scoring.train_scorer import target_embeddings
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,7 +184,7 @@ def _cmd_eval(args):
     ev = evaluate_scorer(data, w, emb, bins=args.bins)
     print(format_eval(ev))
     if args.latency:
-        from taps.scoring.evaluate import replay_throughput
+        from taps.scoring.eval_scorer import replay_throughput
         from taps.decode.latency import load_table
 
         table = load_table(args.latency)

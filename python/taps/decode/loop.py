@@ -41,7 +41,7 @@ import torch
 import taps_kernels
 from taps_kernels import Tree
 
-from .lookup import TokenHistory
+from .token_history import TokenHistory
 from .policies.base import BuiltTree, TreePolicy
 from .readout import HostReadout, RoundReadout
 from .sampling import SamplingConfig, choose_tokens, processed_probs

@@ -89,7 +89,7 @@ class TreePolicy:
     #: :meth:`bind` when the drafter has a draft vocabulary and :attr:`handles_draft_vocab`), else None
     vocab_ids: Optional[torch.Tensor] = None
     #: :meth:`build` takes ``history=(tokens [B, C] int64, lengths [B] int64)``, each row's committed tokens
-    #: (prompt, generated, and the root last; :class:`taps.decode.lookup.TokenHistory`), and is called in
+    #: (prompt, generated, and the root last; :class:`taps.decode.token_history.TokenHistory`), and is called in
     #: undrafted rounds too, with ``draft_logits`` and ``draft_hidden`` None
     wants_history: bool = False
 

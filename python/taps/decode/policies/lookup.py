@@ -20,7 +20,7 @@ from typing import Optional
 from taps_kernels import lookup_chain
 from taps_kernels.ops.lookup import DEFAULT_MAX_NGRAM
 
-from ..lookup import lookup_only_tree
+from ..token_history import lookup_only_tree
 from .base import IN_ROUND, NO_TIMER, BuiltTree, TreePolicy, parse_budget, register_policy
 from .composed import ComposedPolicy
 from .sizing import ThroughputSize

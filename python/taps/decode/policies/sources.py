@@ -18,7 +18,7 @@ import taps_kernels
 from taps_kernels import CandidatePool, Selection, Tree, graft_chain, lookup_chain
 from taps_kernels.ops.lookup import DEFAULT_MAX_NGRAM
 
-from ..lookup import accepted_prefix
+from ..token_history import accepted_prefix
 from ..tree_ops import IN_ROUND
 from .base import PolicyError
 

@@ -38,7 +38,7 @@ import torch
 
 from taps.models.drafter import check_compatible, load_drafter
 from taps.paths import portable_path
-from taps.training.train import ShardData, make_batch
+from taps.training.train_drafter import ShardData, make_batch
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``taps.cli.main`` calls :func:`add_subcommands` on its subparsers; each
 subparser sets ``func`` (called with the parsed ``args``). Also runnable alone:
-``python -m taps.cli.train build-data ...``.
+``python -m taps.cli.drafter_cmds build-data ...``.
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ def _cmd_build_data(args):
                           chat_fraction=args.chat_fraction, topk=args.topk,
                           magpie_temperature=args.magpie_temperature, magpie_max_tokens=args.magpie_max_tokens,
                           target_format=args.target_format)
-    build_data(cfg, command="python -m taps.cli.train " + portable_command(sys.argv[1:]))
+    build_data(cfg, command="python -m taps.cli.drafter_cmds " + portable_command(sys.argv[1:]))
     print(json.dumps(data_summary(args.out), indent=1))
     return 0
 
 
 def _cmd_train(args):
-    from taps.training.train import TrainConfig, train_drafter
+    from taps.training.train_drafter import TrainConfig, train_drafter
 
     train_drafter(TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("func", "command", "cmd")}))
     return 0
@@ -71,7 +71,7 @@ def _cmd_draft_vocab(args):
 def _cmd_eval(args):
     import torch
 
-    from taps.training.evaluate import EvalOptions, eval_drafter
+    from taps.training.eval_drafter import EvalOptions, eval_drafter
 
     opts = EvalOptions(target=args.target, shards=_int_list(args.shards), max_seqs=args.max_seqs,
                        anchors_per_seq=args.anchors_per_seq, seed=args.seed, out_json=args.out_json,
