@@ -344,10 +344,14 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
     write_cache(f, l, k.data(), v.data(), Hkv, D);
     const float* Kc = f.keys[l];
     const float* Vc = f.values[l];
+    // KV head by KV head, every query row of it in turn: the rows of a tree share their prefix, whose keys and
+    // values (prefix x head_dim floats, ~256 KB at 500 tokens) then come from L2 for every row after the first
+    // instead of from memory (row by row, the other heads' prefixes evicted them). Each (row, head) is computed
+    // as before, so no bit changes.
     parallel(M * Hkv, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores(static_cast<size_t>(G * std::max<int64_t>(max_vis, 1)));
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t i = t / Hkv, hh = t % Hkv, b = i / f.N;
+        const int64_t hh = t / M, i = t % M, b = i / f.N;
         const int64_t base = (f.cache_rows[b] * Hkv + hh) * f.capacity * D;
         attend_kernel(q.data() + (i * Hq + hh * G) * D, Kc + base, Vc + base, vis.data() + vis_start[i],
                       vis_start[i + 1] - vis_start[i], scale, scores.data(), att.data() + (i * Hq + hh * G) * D);
