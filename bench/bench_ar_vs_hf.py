@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--out", default="bench/results/ar_vs_hf_cpu.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from taps.cli.common import encode_prompt
+    from taps.data import encode_prompt
     from taps.data import load_humaneval
     from taps.decode import SpeculativeDecoder
     from taps.decode.policies import make_policy

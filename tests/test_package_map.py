@@ -9,8 +9,12 @@ ROOT = Path(__file__).resolve().parents[1]
 #: package directory -> module prefixes it must not import (absolute or relative)
 RULES = {
     "taps_kernels": ("taps.",),
-    "python/taps/models": ("taps.decode", "taps.scoring", "taps.training", "taps.cli", "taps.data"),
-    "python/taps/decode": ("taps.scoring", "taps.training", "taps.cli", "taps.data"),
+    "python/taps/models": ("taps.decode", "taps.scoring", "taps.training", "taps.bench", "taps.cli", "taps.data"),
+    "python/taps/decode": ("taps.scoring", "taps.training", "taps.bench", "taps.cli", "taps.data"),
+    "python/taps/scoring": ("taps.bench", "taps.cli"),
+    "python/taps/training": ("taps.bench", "taps.cli"),
+    "python/taps/data": ("taps.bench", "taps.cli"),
+    "python/taps/bench": ("taps.cli",),
 }
 
 

@@ -1,4 +1,4 @@
-"""taps.cli.peer_llamacpp without llama.cpp: its parsers on output captured from the real tools
+"""taps.bench.peer_llamacpp without llama.cpp: its parsers on output captured from the real tools
 (llama.cpp 0c1e570 from the llama-cpp-python 0.3.36 sdist, SmolLM2-135M-Instruct Q4_1, one thread),
 the error when the tools are missing, and the subprocess handling through stand-in scripts."""
 import json
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from taps.cli import peer_llamacpp as P
+from taps.bench import peer_llamacpp as P
 
 # llama-completion -f PROMPT.txt --no-escape -n 32 -t 1 -tb 1 --temp 0 --seed 0 --no-repack -no-cnv
 # --no-display-prompt, on "What is the capital of France?" (chat template, no system turn): stops at EOS.

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from taps.scoring.report import _drafted, check_targets, coverage, merge_bench, projected_tps, write_report
+from taps.bench.run_report import _drafted, check_targets, coverage, merge_bench, projected_tps, write_report
 
 
 def pol(tau, nodes, tps, same=2, prompts=2):

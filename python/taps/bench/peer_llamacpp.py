@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Sequence
 
 from taps.paths import cache_root, portable_command
 
+from . import BenchError
+
 TOOLS = ("llama-bench", "llama-completion", "llama-lookup")
 SDIST = "llama-cpp-python 0.3.36"
 DRAFT_N_MAX = 8
@@ -279,3 +281,28 @@ def peer_rows(gguf, prompts_text: Sequence[str], n_tokens: int, threads: int,
                      "n_generated": sum(r["n_generated"] for r in recs),
                      "per_prompt": recs, **common, "commands": [r["command"] for r in recs]})
     return rows
+
+
+def rows_beside_ours(args, tok, items, summary: Dict[str, dict], log) -> List[dict]:
+    """llama.cpp's rows on the first turns of ``items`` (same GGUF, token count and threads), printed beside
+    our decode-only tokens/s; ``args`` holds ``target`` and ``max_new_tokens``, ``log`` prints a line."""
+    import torch
+
+    from taps.data import encode_prompt
+    from taps.models.target import SMOLLM2_NAMES, find_smollm2_gguf
+
+    gguf = find_smollm2_gguf() if args.target in SMOLLM2_NAMES else Path(args.target)
+    texts = [tok.decode(encode_prompt(tok, it.turns[0], raw=it.raw)) for it in items]
+    try:
+        rows = peer_rows(gguf, texts, args.max_new_tokens, torch.get_num_threads())
+    except RuntimeError as e:
+        raise BenchError(f"--peer llamacpp: {e}") from None
+    log(f"llama.cpp {rows[0]['llamacpp_commit']} on {rows[0]['cpu']}, {rows[0]['threads']} thread(s), first turns "
+        f"of {len(texts)} prompts, {args.max_new_tokens} tokens: decode tokens/s (prefill and its token excluded)")
+    for r in rows:
+        log(f"  {r['name']:<48} {r['tok_s']:8.2f}")
+    for spec, s in summary.items():
+        if s.get("decode_tokens_per_s"):
+            log(f"  ours: {spec:<42} {s['decode_tokens_per_s']:8.2f}  (all turns)")
+    return rows
+

@@ -1,4 +1,5 @@
-"""``taps bench --batch-size B`` / ``--batch-sizes 1,2,4,8,16``: every policy with B requests at once.
+"""Batch-size sweeps (``taps bench --batch-size B`` / ``--batch-sizes 1,2,4,8,16``): every policy with B requests
+at once.
 
 Protocol per dataset and batch size ``B > 1``: each policy (AR first, the others in an order rotated by one
 per batch size) gets its own :class:`taps.decode.BatchDecoder` with ``max_batch=B``, a short warm-up batch,
@@ -31,78 +32,15 @@ Per (policy, B), the row of the summary's ``batch`` section:
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from .common import CLIError, add_turn, encode_prompt, policy_from_args, stop_token_ids
+from taps.data import encode_prompt, stop_token_ids
+from taps.decode.policies import policy_from_options
 
-
-# --- progress -------------------------------------------------------------------------------------------------------
-
-class Progress:
-    """A progress bar on stderr: tqdm when installed, else one self-overwriting line; nothing when disabled.
-    ``write`` prints a log line without breaking the bar."""
-
-    def __init__(self, total: int, desc: str, unit: str = "it", enabled: bool = True, stream=None):
-        self.stream = stream or sys.stderr
-        self.total, self.desc, self.unit, self.enabled = int(total), desc, unit, bool(enabled)
-        self.n = 0
-        self._bar = None
-        self._last = 0.0
-        if not self.enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        # a log file gets a line every few seconds, not every update
-        self._bar = tqdm(total=self.total, desc=desc, unit=unit, file=self.stream, leave=False, dynamic_ncols=True,
-                         mininterval=0.1 if tty else 10.0)
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self._bar is not None:
-            self._bar.update(n)
-        elif self.enabled and time.monotonic() - self._last > 0.5:
-            self._last = time.monotonic()
-            self.stream.write(f"\r{self.desc}: {min(self.n, self.total)}/{self.total} {self.unit}\x1b[K")
-            self.stream.flush()
-
-    def write(self, line: str) -> None:
-        if self._bar is not None:
-            self._bar.write(line, file=self.stream)
-            return
-        prefix = "\r\x1b[K" if self.enabled and self.n else ""
-        self.stream.write(prefix + line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            if not (hasattr(self.stream, "isatty") and self.stream.isatty()):
-                self.stream.write("\n")  # a log file: the next line starts on its own line
-        elif self.enabled and self.n:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-
-
-def parse_batch_sizes(batch_size: Optional[int], batch_sizes: Optional[str]) -> Optional[List[int]]:
-    """``--batch-size`` / ``--batch-sizes`` as a sorted list without repeats (None: neither given)."""
-    if batch_size is not None and batch_sizes is not None:
-        raise CLIError("--batch-size and --batch-sizes: give one of them, received both")
-    if batch_size is not None:
-        return [batch_size]
-    if batch_sizes is None:
-        return None
-    try:
-        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
-    except ValueError:
-        raise CLIError(f"--batch-sizes: expected a comma list of integers >= 1, received {batch_sizes!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise CLIError(f"--batch-sizes: expected a comma list of integers >= 1, received {batch_sizes!r}")
-    return sorted(set(sizes))
+from . import BenchError
+from .progress import Progress
+from .suite import add_turn
 
 
 # --- one batch run --------------------------------------------------------------------------------------------------
@@ -110,12 +48,12 @@ def parse_batch_sizes(batch_size: Optional[int], batch_sizes: Optional[str]) -> 
 def make_batch_decoder(model, tok, drafter, spec: str, batch_size: int, sampling, args=None):
     from taps.decode import BatchDecoder
 
-    policy = policy_from_args(spec, args)
+    policy = policy_from_options(spec, args)
     try:
         return BatchDecoder(model, policy, drafter=drafter if policy.uses_drafter else None, sampling=sampling,
                             stop_token_ids=stop_token_ids(tok, model), max_batch=batch_size)
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:
-        raise CLIError(f"policy {spec}: {str(e).strip().splitlines()[0]}") from None
+        raise BenchError(f"policy {spec}: {str(e).strip().splitlines()[0]}") from None
 
 
 def latency_note(policy) -> Optional[str]:
@@ -148,7 +86,7 @@ def _drive(dec, requests, on_tokens: Callable[[int], None]):
 def run_batch(dec, tok, items, max_new_tokens: int, seed: int = 0, warmup: int = 1,
               progress: Optional[Progress] = None) -> List[dict]:
     """Every item through one :class:`BatchDecoder` (module docstring). Returns one record per item, in item
-    order: :func:`taps.cli.common.run_item`'s fields (per-turn ``seconds`` is the request's own latency) plus
+    order: :func:`taps.bench.suite.run_item`'s fields (per-turn ``seconds`` is the request's own latency) plus
     ``batch_size`` and ``batch_wall_s`` (the whole run's wall time)."""
     from taps.decode import Request
 

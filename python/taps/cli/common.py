@@ -1,12 +1,10 @@
-"""Shared pieces of the ``taps`` subcommands: common flags, model loading with one-line errors,
-stop tokens, prompt encoding and running one (possibly multi-turn) prompt."""
+"""Shared pieces of the ``taps`` subcommands: common flags and model loading with one-line errors."""
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 
@@ -87,19 +85,6 @@ def setup_torch(args) -> None:
         raise CLIError(f"--device: {args.device!r} requested but this torch has no CUDA device")
 
 
-def policy_from_args(spec: str, args=None):
-    """``make_policy(spec)`` with the options the policy accepts taken from ``args`` (``--scorer``,
-    ``--pool-size``); flags a policy does not use are not passed to it."""
-    from taps.decode.policies import PolicyError, make_policy, policy_options
-
-    given = {"scorer": getattr(args, "scorer", None), "pool_size": getattr(args, "pool_size", None)}
-    accepted = policy_options(spec)
-    try:
-        return make_policy(spec, **{k: v for k, v in given.items() if k in accepted})
-    except PolicyError as e:
-        raise CLIError(str(e)) from None
-
-
 def parse_policies(text: str) -> List[str]:
     from taps.decode.policies import PolicyError, make_policy
 
@@ -174,118 +159,10 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def stop_token_ids(tokenizer, model=None) -> List[int]:
-    """The tokenizer's eos, the generation config's eos, and the chat template's end-of-turn token."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        ids.update(int(t) for t in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
-    if getattr(tokenizer, "chat_template", None):
-        marker = "\u2063taps\u2063"
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
-                                                  {"role": "assistant", "content": marker}], tokenize=False)
-            after = text.split(marker, 1)[1]
-            first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
-            if first and first[0] in set(tokenizer.all_special_ids):
-                ids.add(int(first[0]))
-        except Exception:
-            pass  # a template that cannot render an assistant turn has no end token to add
-    return sorted(ids)
-
-
-def encode_prompt(tokenizer, text: str, raw: bool = False, history: Optional[List[dict]] = None) -> List[int]:
-    """Token ids of a user turn (chat template, after ``history``) or of raw text."""
-    from taps.data import chat_prompt_ids
-
-    if not text or not text.strip():
-        raise CLIError("--prompt: expected a non-empty prompt")
-    if raw:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return chat_prompt_ids(tokenizer, (history or []) + [{"role": "user", "content": text}])
-
-
 def check_fits(args, model, prompt_len: int) -> None:
     ctx = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     if prompt_len >= ctx:
         raise CLIError(f"prompt: {prompt_len} tokens do not fit the target's context of {ctx} tokens")
-
-
-def add_turn(rec: Dict, prompt_len: int, res, answer: str) -> None:
-    """Add one turn's :class:`GenerationResult` to a benchmark record (its ``turns`` list and running totals;
-    in a batch run the stage times are the batch rounds')."""
-    st = res.stats
-    rec["turns"].append({"prompt_len": prompt_len, "token_ids": res.token_ids, "text": answer,
-                         "stop_reason": res.stop_reason, "seconds": st.total_s, "rounds": st.num_rounds,
-                         "tau": st.tau})
-    rec["new_tokens"] += len(res.token_ids)
-    rec["seconds"] += st.total_s
-    rec["rounds"] += st.num_rounds
-    rec["accept_lens"] += [r.accept_len for r in st.rounds]
-    rec["nodes"] += sum(r.nodes for r in st.rounds)
-    rec["drafted_rounds"] += sum(r.drafted for r in st.rounds)
-    for key, v in st.stage_totals().items():
-        rec["time_split"][key] = rec["time_split"].get(key, 0.0) + v
-
-
-def run_item(decoder, tokenizer, item, max_new_tokens: int, seed: int = 0) -> Dict:
-    """Run every turn of a :class:`taps.data.PromptItem` (turn k after the model's own earlier answers).
-
-    Returns a dict: ``turns`` (token ids, text, stats per turn), ``new_tokens``, ``seconds``, ``rounds``,
-    ``accept_lens``, ``nodes`` and summed ``time_split``.
-    """
-    history: List[dict] = []
-    out = {"id": item.id, "source": item.source, "turns": [], "new_tokens": 0, "seconds": 0.0, "rounds": 0,
-           "accept_lens": [], "nodes": 0, "drafted_rounds": 0, "time_split": {}}
-    for k, text in enumerate(item.turns):
-        ids = encode_prompt(tokenizer, text, raw=item.raw, history=history)
-        res = decoder.generate(ids, max_new_tokens, seed=seed + k)
-        answer = tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        add_turn(out, len(ids), res, answer)
-        history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
-    out["tau"] = sum(out["accept_lens"]) / len(out["accept_lens"]) if out["accept_lens"] else 0.0
-    out["tokens_per_s"] = out["new_tokens"] / out["seconds"] if out["seconds"] > 0 else 0.0
-    return out
-
-
-def check_prompt_lookup(name: str, value: Optional[int]) -> Optional[int]:
-    """``value`` if it is None or an int >= 1 (HF's ``prompt_lookup_num_tokens``), else a ValueError naming ``name``."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name}: expected an integer >= 1 (or None), received {value!r}")
-    return value
-
-
-def hf_generate_item(model, tokenizer, item, max_new_tokens: int, stop_ids: List[int], answers: List[str],
-                     prompt_lookup_num_tokens: Optional[int] = None) -> Dict:
-    """Time HF ``generate(do_sample=False)`` on the same turns (turn k after ``answers[:k]``, the answers our
-    decoder gave, so both see identical prompts). Returns token ids per turn, new tokens and seconds.
-
-    ``prompt_lookup_num_tokens``: None for plain greedy ``generate``; an int >= 1 turns on HF's prompt-lookup
-    decoding (n-gram matches in the context proposed as up to that many draft tokens, verified by the target:
-    lossless under greedy decoding, no drafter needed)."""
-    extra = {}
-    if check_prompt_lookup("prompt_lookup_num_tokens", prompt_lookup_num_tokens) is not None:
-        extra["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
-    history: List[dict] = []
-    out = {"turns": [], "new_tokens": 0, "seconds": 0.0}
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
-    for k, text in enumerate(item.turns):
-        ids = encode_prompt(tokenizer, text, raw=item.raw, history=history)
-        inp = torch.tensor([ids], device=next(model.parameters()).device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
-                                 max_new_tokens=max_new_tokens, eos_token_id=stop_ids or None, pad_token_id=pad,
-                                 temperature=None, top_p=None, top_k=None, **extra)
-        dt = time.perf_counter() - t0
-        toks = gen[0, len(ids):].tolist()
-        out["turns"].append({"token_ids": toks, "seconds": dt})
-        out["new_tokens"] += len(toks)
-        out["seconds"] += dt
-        history += [{"role": "user", "content": text}, {"role": "assistant", "content": answers[k]}]
-    return out
 
 
 def quiet_warnings() -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import sys
 import time
 
-from .bench import build_decoders, format_table, run_suite, summarize
-from .common import CLIError, add_model_flags, drafter_dir_cli, load_drafter_cli, load_target_cli, positive_int, quiet_warnings, setup_torch
+from taps.bench import BenchError
+from taps.bench.suite import build_decoders, run_suite
+from taps.bench.summary import format_table, summarize
+from taps.decode.policies import PolicyError
+
+from .common import add_model_flags, drafter_dir_cli, load_drafter_cli, load_target_cli, positive_int, quiet_warnings, setup_torch
 
 DEMO_POLICIES = ("ar", "dflash", "ddtree:16", "lookup")
 #: Policies shown when they build from their bare name (they need the shipped scorer).
@@ -46,8 +50,7 @@ def _peer_rows(args, tok, items, summary) -> None:
     """llama.cpp beside our rows (``taps bench --peer llamacpp``'s rows) where it is built for the GGUF target."""
     from taps.models.target import SMOLLM2_NAMES
 
-    from . import peer_llamacpp
-    from .bench import llamacpp_peer
+    from taps.bench import peer_llamacpp
 
     if args.peer == "none":
         return
@@ -58,7 +61,7 @@ def _peer_rows(args, tok, items, summary) -> None:
         print("\n(llama.cpp is not built: `bash scripts/build_llamacpp.sh` adds its rows on the same GGUF)")
         return
     print()
-    llamacpp_peer(args, tok, items, summary, print)
+    peer_llamacpp.rows_beside_ours(args, tok, items, summary, print)
 
 
 def run(args) -> int:
@@ -82,7 +85,7 @@ def run(args) -> int:
     for spec in specs:
         try:
             decoders.update(build_decoders(model, tok, drafter, [spec], None, args))
-        except CLIError as e:
+        except (BenchError, PolicyError) as e:
             if args.policies or spec not in OPTIONAL_POLICIES:
                 raise
             print(f"(skipping {e})")

@@ -6,9 +6,11 @@ import json
 import os
 import sys
 
-from .common import (CLIError, add_model_flags, add_sampling_flags, check_fits, drafter_dir_cli, encode_prompt,
-                     load_drafter_cli, load_target_cli, policy_from_args, positive_int, quiet_warnings, sampling_from_args,
-                     setup_torch, stop_token_ids)
+from taps.data import encode_prompt, stop_token_ids
+from taps.decode.policies import policy_from_options
+
+from .common import (CLIError, add_model_flags, add_sampling_flags, check_fits, drafter_dir_cli, load_drafter_cli,
+                     load_target_cli, positive_int, quiet_warnings, sampling_from_args, setup_torch)
 
 BACKENDS = ("auto", "reference", "cpp", "triton", "cuda")
 ATTENTIONS = ("auto", "taps_tree", "sdpa")
@@ -106,7 +108,7 @@ def run(args) -> int:
         raise CLIError("--prompt: expected a non-empty prompt")
     if args.prompts is None and args.batch_size != 1:
         raise CLIError("--batch-size: needs --prompts (a single --prompt is one row)")
-    policy = policy_from_args(args.policy, args)
+    policy = policy_from_options(args.policy, args)
     sampling = sampling_from_args(args)
     setup_torch(args)
     _set_backend(args, args.device)

@@ -46,13 +46,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if getattr(args, "func", None) is None:
         ap.print_help(sys.stderr)
         return 2
+    from taps.bench import BenchError
     from taps.data import DataError
     from taps.decode import GenerationError
     from taps.decode.policies import PolicyError
 
     try:
         rc = args.func(args)
-    except (CLIError, GenerationError, PolicyError, DataError) as e:
+    except (CLIError, BenchError, GenerationError, PolicyError, DataError) as e:
         print(f"taps {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

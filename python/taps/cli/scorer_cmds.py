@@ -206,8 +206,8 @@ def _cmd_eval(args):
 # --- calibrate ------------------------------------------------------------------------------------------------------
 
 def _cmd_calibrate(args):
+    from taps.bench.calibrate import calibrate, describe
     from taps.cli.common import load_drafter_cli, load_target_cli, quiet_warnings, setup_torch
-    from taps.decode.latency import cache_path, measure_latency, save_table
 
     quiet_warnings()
     setup_torch(args)
@@ -215,19 +215,9 @@ def _cmd_calibrate(args):
     drafter = None
     if not args.no_drafter:
         drafter = load_drafter_cli(args, model)
-    t = measure_latency(model, n_max=args.n_max, prefix_len=args.prefix_len, repeats=args.repeats, drafter=drafter,
-                        progress=True, batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b.strip()])
-    p = save_table(t, args.out or cache_path(t["machine"], t["model"]))
-    raw = {int(k): v for k, v in t["raw"].items()}
-    parts = t["t0_parts"]
-    print(f"machine {t['machine']}\nmodel {t['model']}\nt0 {1000 * t['t0']:.1f} ms")
-    if parts:
-        by_pos = " ".join(f"{1000 * x:.1f}" for x in parts["draft_by_positions"])
-        print(f"  context {1000 * parts['context']:.1f} ms; draft projecting 1..D positions (ms): {by_pos}")
-    for n in sorted(raw):
-        print(f"  n={n:>4}  {1000 * raw[n]:8.1f} ms measured  {1000 * t['latency'][n]:8.1f} ms table")
-    for rows, table in t.get("batch_latency", {}).items():
-        print(f"  {rows} rows: " + ", ".join(f"n={n} {1000 * table[n]:.1f} ms" for n in range(0, len(table), int(rows) * 8)))
+    t, p = calibrate(model, drafter, args.out, n_max=args.n_max, prefix_len=args.prefix_len, repeats=args.repeats,
+                     batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b.strip()])
+    print("\n".join(describe(t)))
     print(f"wrote {p}")
     return 0
 

@@ -141,3 +141,34 @@ def chat_prompt_ids(tokenizer, messages: List[dict]) -> List[int]:
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def encode_prompt(tokenizer, text: str, raw: bool = False, history: Optional[List[dict]] = None) -> List[int]:
+    """Token ids of a user turn (chat template, after ``history``) or of raw text."""
+    if not text or not text.strip():
+        raise DataError("--prompt: expected a non-empty prompt")
+    if raw:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return chat_prompt_ids(tokenizer, (history or []) + [{"role": "user", "content": text}])
+
+
+def stop_token_ids(tokenizer, model=None) -> List[int]:
+    """The tokenizer's eos, the generation config's eos, and the chat template's end-of-turn token."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(int(t) for t in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    if getattr(tokenizer, "chat_template", None):
+        marker = "\u2063taps\u2063"
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": marker}], tokenize=False)
+            after = text.split(marker, 1)[1]
+            first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+            if first and first[0] in set(tokenizer.all_special_ids):
+                ids.add(int(first[0]))
+        except Exception:
+            pass  # a template that cannot render an assistant turn has no end token to add
+    return sorted(ids)

@@ -268,8 +268,7 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
     progress, worker, workers = c.progress, c.worker, c.workers
     from tqdm import tqdm
 
-    from taps.cli.common import stop_token_ids
-    from taps.data import chat_prompt_ids
+    from taps.data import chat_prompt_ids, stop_token_ids
     from taps.models.drafter import load_decoding_drafter
     from taps.models.target import load_target
     from taps.paths import portable_path

@@ -258,6 +258,19 @@ def make_policy(spec: str, **options) -> TreePolicy:
     return policy
 
 
+#: The options a run passes to every policy it builds (``--scorer``, ``--pool-size``); each policy takes those it accepts.
+RUN_OPTIONS = ("scorer", "pool_size")
+
+
+def policy_from_options(spec: str, options=None) -> TreePolicy:
+    """:func:`make_policy` of ``spec`` with the :data:`RUN_OPTIONS` attributes of ``options`` (any object, e.g. a
+    command's arguments; missing or None: not passed) that this policy accepts, so one set of run options
+    serves a list of policies."""
+    accepted = policy_options(spec)
+    given = {k: getattr(options, k, None) for k in RUN_OPTIONS if k in accepted}
+    return make_policy(spec, **given)
+
+
 def parse_budget(name: str, arg: Optional[str], default: Optional[int] = None) -> int:
     """Parse a positive integer policy argument (``"16"`` in ``"ddtree:16"``)."""
     if arg is None:
