@@ -92,7 +92,7 @@ setup(
     version="0.1.0",
     description="Kernels and driver for TAPS: target-aware prefix tree selection for diffusion-drafted speculative decoding",
     packages=["taps_kernels", "taps_kernels.reference", "taps_kernels.triton",
-              "taps", "taps.models", "taps.decode", "taps.training", "taps.cli", "taps.scoring", "taps.data",
+              "taps", "taps.models", "taps.decode", "taps.training", "taps.cli", "taps.scoring", "taps.data", "taps.bench",
               "taps.decode.policies", "taps.hf", "taps_kernels.ops", "taps_kernels.integrations"],
     package_dir={"taps_kernels": "taps_kernels", "taps": "python/taps"},
     package_data={"taps": ["assets/*"], "taps.hf": ["custom_generate/*.py", "custom_generate/*.md"]},
