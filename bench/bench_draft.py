@@ -74,8 +74,8 @@ def main(argv=None):
                 for layout in layouts:
                     drafter.set_draft_vocab(vocab if vname == "draft" else None)
                     drafter.head_dtype = hdt
-                    drafter.full_vocab_logits = layout == "full"
-                    med, mn, cpu = _time(lambda: drafter.draft(state, bonus, embed, head, num_positions=P), args.reps)
+                    med, mn, cpu = _time(lambda: drafter.draft(state, bonus, embed, head, num_positions=P,
+                                                               full_vocab_logits=layout == "full"), args.reps)
                     r = {"positions": P, "vocab": vname, "vocab_size": int(vocab.numel()) if vname == "draft"
                          else drafter.config.vocab_size, "head_dtype": hname, "logits": layout,
                          "median_ms": round(med, 2), "min_ms": round(mn, 2), "cpu_ms": round(cpu, 2)}
@@ -100,9 +100,9 @@ def main(argv=None):
             for layout, block in (("full", "full"), ("sub", "full"), ("sub", "short")):
                 if block == "short" and P == D:
                     continue  # the short block of every position is the full block
-                d.full_vocab_logits = layout == "full"
                 d.short_blocks = block == "short"
-                med, mn, cpu = _time(lambda: d.draft(st, bonus, embed, head, num_positions=P), args.reps)
+                med, mn, cpu = _time(lambda: d.draft(st, bonus, embed, head, num_positions=P,
+                                                     full_vocab_logits=layout == "full"), args.reps)
                 r = {"body": bname, "positions": P, "vocab": "draft", "vocab_size": int(vocab.numel()),
                      "head_dtype": head_name, "logits": layout, "block": block, "median_ms": round(med, 2),
                      "min_ms": round(mn, 2), "cpu_ms": round(cpu, 2)}

@@ -319,19 +319,15 @@ def test_draft_vocab_logits_are_the_full_logits_restricted(head_dtype, tol):
     outside[sids] = False
     assert torch.isneginf(full[..., outside]).all()
     torch.testing.assert_close(full[..., sids], ref[:, :3, sids], atol=tol * ref.abs().max().item(), rtol=0)
-    m.full_vocab_logits = False
-    sub = m.draft(st, torch.tensor([3]), emb, head, num_positions=3)[0]
+    sub = m.draft(st, torch.tensor([3]), emb, head, num_positions=3, full_vocab_logits=False)[0]
     assert sub.shape == (1, 3, len(ids))
     torch.testing.assert_close(sub, full[..., sids], atol=0, rtol=0)
     k = 4
     assert torch.equal(sids[sub.topk(k, -1).indices], full.topk(k, -1).indices)
-    # the per-call choice overrides the attribute, which stays as it was
-    again = m.draft(st, torch.tensor([3]), emb, head, num_positions=3, full_vocab_logits=True)[0]
-    assert torch.equal(again, full) and m.full_vocab_logits is False
-    m.full_vocab_logits = True
-    assert torch.equal(m.draft(st, torch.tensor([3]), emb, head, num_positions=3, full_vocab_logits=False)[0], sub)
+    # the layout is the call's alone: the next call's default is full-size again
+    again = m.draft(st, torch.tensor([3]), emb, head, num_positions=3)[0]
+    assert torch.equal(again, full) and not hasattr(m, "full_vocab_logits")
     m.set_draft_vocab(None)
-    m.full_vocab_logits = True
     torch.testing.assert_close(m.draft(st, torch.tensor([3]), emb, head)[0], ref, atol=0, rtol=0)
 
 
@@ -374,11 +370,10 @@ def test_draft_vocab_rejects_bad_ids(bad):
 def test_draft_modes_belong_to_each_drafter():
     """The draft pass's modes are set per drafter by its constructor (defaults below); none lives on the class,
     so one drafter's setting never shows through another."""
-    defaults = {"head_dtype": None, "short_blocks": False, "block_draft": None, "draft_vocab": None,
-                "full_vocab_logits": True}
+    defaults = {"head_dtype": None, "short_blocks": False, "block_draft": None, "draft_vocab": None}
     a, b = make(0)[0], make(1)[0]
     for name, value in defaults.items():
         assert not hasattr(DFlashDrafter, name), name
         assert name in vars(a) and getattr(a, name) == value, name
-    a.short_blocks, a.head_dtype, a.full_vocab_logits = True, torch.bfloat16, False
-    assert (b.short_blocks, b.head_dtype, b.full_vocab_logits) == (False, None, True)
+    a.short_blocks, a.head_dtype = True, torch.bfloat16
+    assert (b.short_blocks, b.head_dtype) == (False, None)

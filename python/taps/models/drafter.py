@@ -82,10 +82,6 @@ class DFlashDrafter(DrafterInference, DrafterVocabulary, DrafterTraining, nn.Mod
         self.block_draft = None
         #: reduced draft vocabulary (sorted int64 ids, see :meth:`set_draft_vocab`), or None (full vocabulary)
         self.draft_vocab: Optional[torch.Tensor] = None
-        #: with a draft vocabulary: True (default) = :meth:`draft` returns full-size ``[B,P,V]`` logits with
-        #: ``-inf`` outside the draft vocabulary; False = the ``[B,P,V_draft]`` sub-vocabulary logits, whose
-        #: column ``j`` is token ``draft_vocab[j]`` (callers map top-k ids back through it).
-        self.full_vocab_logits: bool = True
 
     def set_feature_scale(self, scale: Optional[torch.Tensor]) -> None:
         """Multiply context features channel-wise by ``scale [n*H]`` before ``fc``."""

@@ -68,8 +68,8 @@ class DFlashState:
 
 class DrafterInference:
     """The inference passes of :class:`taps.models.drafter.DFlashDrafter` (mixed into it): they read its
-    ``config``, ``fc``, ``layers``, ``norm``, the modes ``short_blocks``, ``block_draft`` and
-    ``full_vocab_logits``, and its context projection, RoPE, embedding and vocabulary projection."""
+    ``config``, ``fc``, ``layers``, ``norm``, the modes ``short_blocks`` and ``block_draft``, and its context
+    projection, RoPE, embedding and vocabulary projection."""
 
     #: context rows a fresh state holds before its buffers grow (doubling)
     INITIAL_CAPACITY = 256
@@ -172,7 +172,7 @@ class DrafterInference:
     @torch.no_grad()
     def draft(self, state: DFlashState, bonus_tokens: torch.Tensor, embed_tokens, lm_head,
               rows: Optional[slice] = None, num_positions: Optional[int] = None,
-              full_vocab_logits: Optional[bool] = None):
+              full_vocab_logits: bool = True):
         """One draft pass for rows of the state (default: rows ``0 .. B-1``, one per bonus token).
 
         bonus_tokens ``[B] int64``: row b's block is ``[bonus, MASK x D]`` at positions
@@ -183,10 +183,11 @@ class DrafterInference:
         ``num_positions`` P (default D): only block positions ``1..P`` are normed and projected onto the
         vocabulary (a policy that never uses deeper positions passes its depth cap); with
         :attr:`short_blocks` the block itself is ``[bonus, MASK x P]``.
-        Returns ``(logits [B,P,V] float32, hidden [B,P,H])`` for block positions ``1..P`` (with a draft
-        vocabulary: ``-inf`` outside it, or ``[B,P,V_draft]`` when ``full_vocab_logits`` is False; None: the
-        attribute :attr:`full_vocab_logits`). The state's
-        lengths and context rows are not modified (the block's K/V go to scratch rows past each length).
+        Returns ``(logits [B,P,V] float32, hidden [B,P,H])`` for block positions ``1..P``. With a draft
+        vocabulary, ``full_vocab_logits`` True gives full-size logits with ``-inf`` outside it, False the
+        ``[B,P,V_draft]`` sub-vocabulary logits, whose column ``j`` is token ``draft_vocab[j]`` (callers map top-k
+        ids back through it). The state's lengths and context rows are not modified (the block's K/V go to
+        scratch rows past each length).
         """
         c = self.config
         B = bonus_tokens.shape[0]
@@ -199,8 +200,8 @@ class DrafterInference:
         dev = self.fc.weight.device
         self._reserve(state, state.bound)
         if self.block_draft is not None:  # the whole pass in one C++ call (taps.models.drafter_blocks)
-            full = self.full_vocab_logits if full_vocab_logits is None else bool(full_vocab_logits)
-            return self.block_draft.draft(state, sl, bonus_tokens, embed_tokens, lm_head, P, S, full)
+            return self.block_draft.draft(state, sl, bonus_tokens, embed_tokens, lm_head, P, S,
+                                          bool(full_vocab_logits))
         ids = torch.full((B, S), self.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = bonus_tokens.to(dev)
         x = self._embed(embed_tokens, ids)
@@ -218,5 +219,4 @@ class DrafterInference:
             x = layer.forward_cached(x, cos, sin, state.k_buf[l][sl], state.v_buf[l][sl], index, kv_len, key_mask)
         # only the positions the caller can use go through the final norm and the vocabulary head
         hidden = self.norm(x[:, 1:1 + P])
-        full = self.full_vocab_logits if full_vocab_logits is None else bool(full_vocab_logits)
-        return self._vocab_logits(hidden, lm_head, full), hidden
+        return self._vocab_logits(hidden, lm_head, bool(full_vocab_logits)), hidden

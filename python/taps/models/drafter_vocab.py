@@ -32,7 +32,7 @@ class DrafterVocabulary:
 
     def _vocab_logits(self, hidden: torch.Tensor, lm_head, full_vocab: bool = True) -> torch.Tensor:
         """``lm_head(hidden)`` in float32, computed in :attr:`head_dtype` (a cached copy of the weight) over
-        the draft vocabulary when one is set (``full_vocab``: the layout :attr:`full_vocab_logits` describes)."""
+        the draft vocabulary when one is set (``full_vocab``: the layout ``draft(full_vocab_logits=)`` describes)."""
         w = lm_head.weight
         dt = self.head_dtype or w.dtype
         ids = self.draft_vocab
