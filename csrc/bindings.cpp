@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -28,6 +29,7 @@
 #include "rows_linear.h"
 #include "score_bindings.h"
 #include "torch_checks.h"
+#include "topk_stats.h"
 #include "tree_ops.h"
 
 namespace py = pybind11;
@@ -48,40 +50,43 @@ std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k
                                             "received shape " + shape_str(draft_logits.sizes()));
   const int32_t K = static_cast<int32_t>(std::min<int64_t>(top_k, V));
   const int32_t K2 = static_cast<int32_t>(std::min<int64_t>(std::max<int32_t>(K, 2), V));  // margin needs two
-  py::gil_scoped_release no_gil;
-  // Same ATen expressions as reference/pool.py::topk_stats_reference, so entropy and mass are bit-identical.
-  at::Tensor logp = at::log_softmax(draft_logits.to(at::kFloat), -1);
-  at::Tensor p = logp.exp();
-  at::Tensor entropy = -(p * logp).nansum(-1);
-  at::Tensor logp_c = logp.contiguous();
-  at::Tensor vals = at::empty({B, D, K2}, logp.options());
-  at::Tensor ids = at::empty({B, D, K2}, logp.options().dtype(at::kLong));
-  at::Tensor margin = at::zeros({B, D}, logp.options());
-  const float* x = logp_c.data_ptr<float>();
-  float* vp = vals.data_ptr<float>();
+  const at::Tensor x = draft_logits.to(at::kFloat).contiguous();
+  at::Tensor vals = at::empty({B, D, K2}, x.options());
+  at::Tensor ids = at::empty({B, D, K2}, x.options().dtype(at::kLong));
+  at::Tensor entropy = at::empty({B, D}, x.options());
+  at::Tensor margin = at::zeros({B, D}, x.options());
+  at::Tensor topk_mass = at::empty({B, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float *vp = vals.data_ptr<float>(), *ep = entropy.data_ptr<float>(), *mp = margin.data_ptr<float>();
+  float* sp = topk_mass.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
-  float* mp = margin.data_ptr<float>();
-  at::parallel_for(0, B * D, 1, [&](int64_t begin, int64_t end) {
-    thread_local taps::TopKWorkspace ws;
-    for (int64_t r = begin; r < end; ++r) {
-      taps::topk_row(x + r * V, V, K2, vp + r * K2, ip + r * K2, ws);
-      if (V > 1) mp[r] = vp[r * K2] - vp[r * K2 + 1];
-      if (std::isinf(mp[r])) mp[r] = 0.0f;  // no possible runner-up: 0, as for V = 1
-    }
-  });
-  // A NaN or +inf logit, or a row of -inf only, makes the whole log-softmax row NaN, and NaN ranks first: the
-  // top entry of each row is the whole check (no extra pass over the logits).
-  for (int64_t r = 0; r < B * D; ++r) {
-    if (std::isnan(vp[r * K2])) {
-      throw py::value_error("draft_logits[" + std::to_string(r / D) + "," + std::to_string(r % D) +
-                            "]: a NaN or +inf logit, or every logit -inf; expected finite logits or -inf (an "
-                            "impossible token) with at least one possible token per position");
-    }
+  std::atomic<int64_t> first_bad{B * D};
+  {
+    py::gil_scoped_release no_gil;
+    at::parallel_for(0, B * D, 1, [&](int64_t begin, int64_t end) {
+      thread_local taps::TopKStatsWorkspace ws;
+      for (int64_t r = begin; r < end; ++r) {
+        float* v = vp + r * K2;
+        if (!taps::topk_stats_row(xp + r * V, V, K2, v, ip + r * K2, ep + r, ws)) {
+          for (int64_t seen = first_bad.load(); r < seen && !first_bad.compare_exchange_weak(seen, r);) {}
+          continue;
+        }
+        // the logits' own difference: the log-probs' shared lse cancels exactly
+        if (V > 1) mp[r] = xp[r * V + ip[r * K2]] - xp[r * V + ip[r * K2 + 1]];
+        if (std::isinf(mp[r])) mp[r] = 0.0f;  // no possible runner-up: 0, as for V = 1
+        double mass = 0.0;
+        for (int32_t k = 0; k < K; ++k) mass += std::exp(static_cast<double>(v[k]));
+        sp[r] = static_cast<float>(mass);
+      }
+    });
   }
-  at::Tensor topk_logp = vals.narrow(2, 0, K).contiguous();
-  at::Tensor topk_ids = ids.narrow(2, 0, K).contiguous();
-  at::Tensor topk_mass = topk_logp.exp().sum(-1);
-  return {topk_logp, topk_ids, entropy, margin, topk_mass};
+  if (const int64_t r = first_bad.load(); r < B * D) {
+    throw py::value_error("draft_logits[" + std::to_string(r / D) + "," + std::to_string(r % D) +
+                          "]: a NaN or +inf logit, or every logit -inf; expected finite logits or -inf (an "
+                          "impossible token) with at least one possible token per position");
+  }
+  if (K2 == K) return {vals, ids, entropy, margin, topk_mass};
+  return {vals.narrow(2, 0, K).contiguous(), ids.narrow(2, 0, K).contiguous(), entropy, margin, topk_mass};
 }
 
 // ------------------------------------------------------------------------------------------ best-first pool

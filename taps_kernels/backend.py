@@ -60,7 +60,8 @@ _NO_SYNC = "no host synchronisation"
 PREFERENCES: Dict[str, Preference] = {
     "topk_stats": Preference(
         ("triton",), "fused log-softmax + top-K + statistics: one read of the [B,D,V] logits",
-        cpu_why="C++ partial selection per position instead of a full vocabulary sort"),
+        cpu_why="one C++ pass per position (max, float64 exp sums, log-probs, a threshold-filtered top-K) instead "
+                "of separate log-softmax / exp / sum / sort passes; floats within rounding of the reference, ids exact"),
     "best_first_pool": Preference(
         ("triton",), f"one program per request, frontier in registers (pools up to 1024 nodes), {_NO_SYNC}; "
         "a one-copy host search (cpp) was not measured on a GPU yet; larger pools search on the host "

@@ -133,6 +133,39 @@ def assert_within_torch_error(got: torch.Tensor, torch_out: torch.Tensor, refere
     assert err <= bound, f"{what}: error {err:.3g} above {factor} x PyTorch's {torch_err:.3g} (rounding {rounding:.3g})"
 
 
+def _topk_stats_float64(logits: torch.Tensor, ids: torch.Tensor):
+    """``topk_stats``' float outputs evaluated in float64 at the token ids ``ids [B,D,K]``."""
+    logp = torch.log_softmax(logits.double(), -1)
+    top = logp.gather(-1, ids)
+    p = logp.exp()
+    entropy = -(p * logp).nansum(-1)
+    if logits.shape[-1] > 1:
+        best2 = logp.topk(2, -1).values
+        margin = best2[..., 0] - best2[..., 1]
+        margin = torch.where(torch.isinf(margin), torch.zeros_like(margin), margin)
+    else:
+        margin = torch.zeros_like(entropy)
+    return top, entropy, margin, top.exp().sum(-1)
+
+
+def assert_topk_stats_close(got, logits: torch.Tensor, top_k: int, what: str = "") -> None:
+    """``got`` (a TopKStats or CandidatePool) against the PyTorch reference on ``logits``: the same token ids in
+    the same order, -inf log-probs exactly, every other float within :func:`assert_within_torch_error` of a
+    float64 evaluation."""
+    from taps_kernels.reference.pool import topk_stats_reference
+
+    logp32, ids, entropy32, margin32, mass32 = topk_stats_reference(logits, top_k)
+    assert torch.equal(got.topk_ids, ids), f"{what}topk_ids: first differences at {(got.topk_ids != ids).nonzero()[:3].tolist()}"
+    for name, g, w32, w64 in zip(("topk_logp", "entropy", "margin", "topk_mass"),
+                                 (got.topk_logp, got.entropy, got.margin, got.topk_mass),
+                                 (logp32, entropy32, margin32, mass32), _topk_stats_float64(logits, ids)):
+        assert g.dtype == torch.float32 and g.shape == w32.shape, f"{what}{name}: {g.dtype}{tuple(g.shape)}"
+        inf = torch.isinf(w64)
+        assert torch.equal(g[inf].double(), w64[inf]), f"{what}{name}: infinite entries differ"
+        if bool((~inf).any()):
+            assert_within_torch_error(g[~inf], w32[~inf], w64[~inf], what=f"{what}{name}")
+
+
 def random_scorer(tiny: bool, seed: int = 3, hidden: int = 32, max_depth: int = 8, top_k: int = 8):
     """A TapsScorer with perturbed weights (so every feature matters)."""
     from taps.scoring.model import TapsScorer

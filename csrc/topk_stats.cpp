@@ -1,0 +1,168 @@
+// One pass per draft position: max, exp-sums, log-probs, top-K (see topk_stats.h).
+#include "topk_stats.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "simd_math.h"
+
+namespace taps {
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// exp of anything below this is 0 in float32; (x - max) is clamped here before it multiplies its exp, so an
+// impossible token (-inf) adds 0 * -110 = 0 to t instead of 0 * -inf = NaN.
+constexpr float kExpFloor = -110.0f;
+
+// Top-K order: larger log-prob, then smaller id (what a stable descending sort gives).
+inline bool candidate_before(const TopKCandidate& a, const TopKCandidate& b) {
+  return a.value > b.value || (a.value == b.value && a.id < b.id);
+}
+
+// Writes logp and runs the top-K once s and t are known.
+void finish_row(const float* x, int64_t V, int32_t K, float mx, double s, double t, float* vals, int64_t* ids,
+                float* entropy, TopKStatsWorkspace& ws) {
+  const double lse = mx + std::log(s);
+  ws.logp.resize(static_cast<size_t>(V));
+  float* logp = ws.logp.data();
+  for (int64_t i = 0; i < V; ++i) logp[i] = static_cast<float>(x[i] - lse);
+  topk_row(logp, V, K, vals, ids, ws.topk);
+  *entropy = static_cast<float>(std::log(s) - t / s);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's avx512fintrin.h trips its own -Wuninitialized in the masked loads (a known false positive).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#define TAPS_TOPK_AVX512 __attribute__((target("avx512f")))
+
+TAPS_TOPK_AVX512 inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// x - lse in float64, rounded once to float32 (so a log-prob is the float nearest its value for this lse)
+TAPS_TOPK_AVX512 inline __m512 log_prob(__m512 x, __m512d lse) {
+  const __m256 lo = _mm512_cvtpd_ps(_mm512_sub_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)), lse));
+  const __m256 hi = _mm512_cvtpd_ps(_mm512_sub_pd(
+      _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))), lse));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+TAPS_TOPK_AVX512 bool row_avx512(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
+                                 TopKStatsWorkspace& ws) {
+  const __m512 inf = _mm512_set1_ps(kInf);
+  __m512 vmax = _mm512_set1_ps(-kInf);
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = tail_mask(V - i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-kInf), m, x + i);
+    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, inf, _CMP_EQ_OQ);
+    vmax = _mm512_max_ps(vmax, v);
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
+  if (bad || mx == -kInf) return false;
+  const __m512 vm = _mm512_set1_ps(mx), floor = _mm512_set1_ps(kExpFloor);
+  __m512d vs = _mm512_setzero_pd(), vt = _mm512_setzero_pd();
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = tail_mask(V - i);
+    const __m512 d = _mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-kInf), m, x + i), vm);
+    const __m512 e = exp_avx512(d);  // exp(-inf) is 0: a masked-off lane adds nothing
+    const __m512 ed = _mm512_mul_ps(e, _mm512_max_ps(d, floor));
+    vs = _mm512_add_pd(_mm512_add_pd(vs, _mm512_cvtps_pd(_mm512_castps512_ps256(e))),
+                       _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+    vt = _mm512_add_pd(_mm512_add_pd(vt, _mm512_cvtps_pd(_mm512_castps512_ps256(ed))),
+                       _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ed), 1))));
+  }
+  const double sum = _mm512_reduce_add_pd(vs);
+  const double lse = mx + std::log(sum);
+  *entropy = static_cast<float>(std::log(sum) - _mm512_reduce_add_pd(vt) / sum);
+  // Top-K by a threshold filter: entries that can still enter are compressed into a small buffer, which is cut
+  // back to its best K (value descending, then id) whenever it fills. After the first cut only entries strictly
+  // better than the K-th kept one can enter (an equal one comes later, so its id is larger).
+  const int64_t cap = std::max(4 * K, 256);
+  ws.logp.resize(static_cast<size_t>(cap + 16));  // room for a full 16-lane store past the last entry
+  ws.ids.resize(static_cast<size_t>(cap + 16));
+  float* buf_lp = ws.logp.data();
+  int32_t* buf_id = ws.ids.data();
+  int64_t n = 0;
+  // sorts the buffer's best K (all of it when fewer) to its front, best first, and returns how many
+  auto best_first = [&](bool all_sorted) {
+    auto& c = ws.candidates;
+    c.resize(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) c[j] = {buf_lp[j], buf_id[j]};
+    const auto kth = c.begin() + std::min<int64_t>(n, K);
+    if (all_sorted) std::partial_sort(c.begin(), kth, c.end(), candidate_before);
+    else std::nth_element(c.begin(), kth - 1, c.end(), candidate_before);
+    n = kth - c.begin();
+    for (int64_t j = 0; j < n; ++j) buf_lp[j] = c[j].value, buf_id[j] = c[j].id;
+  };
+  const __m512d vl = _mm512_set1_pd(lse);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 bound = _mm512_setzero_ps();
+  bool strict = false;  // before the first cut every entry may enter, -inf ones included
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = tail_mask(V - i);
+    const __m512 lp = log_prob(_mm512_maskz_loadu_ps(m, x + i), vl);
+    const __mmask16 keep = strict ? m & _mm512_cmp_ps_mask(lp, bound, _CMP_GT_OQ) : m;
+    if (!keep) continue;
+    // compress in registers, then full stores: the memory form of vcompressps is microcoded on some cores
+    // (Zen 4), and reading single lanes back from a wide store stalls on forwarding
+    _mm512_storeu_ps(buf_lp + n, _mm512_maskz_compress_ps(keep, lp));
+    _mm512_storeu_si512(buf_id + n, _mm512_maskz_compress_epi32(
+                                        keep, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i)))));
+    n += __builtin_popcount(keep);
+    if (n >= cap) {
+      best_first(false);
+      bound = _mm512_set1_ps(buf_lp[K - 1]);
+      strict = true;
+    }
+  }
+  best_first(true);
+  for (int32_t k = 0; k < K; ++k) {
+    vals[k] = buf_lp[k];
+    ids[k] = buf_id[k];
+  }
+  return true;
+}
+
+bool avx512_available() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+#else
+bool avx512_available() { return false; }
+#endif
+
+}  // namespace
+
+bool topk_stats_row_scalar(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
+                           TopKStatsWorkspace& ws) {
+  float mx = -kInf;
+  for (int64_t i = 0; i < V; ++i) {
+    if (std::isnan(x[i]) || x[i] == kInf) return false;
+    mx = std::max(mx, x[i]);
+  }
+  if (mx == -kInf) return false;
+  double s = 0.0, t = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    const float d = x[i] - mx, e = std::exp(d);
+    s += e;
+    t += e * std::max(d, kExpFloor);
+  }
+  finish_row(x, V, K, mx, s, t, vals, ids, entropy, ws);
+  return true;
+}
+
+bool topk_stats_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
+                    TopKStatsWorkspace& ws) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (avx512_available()) return row_avx512(x, V, K, vals, ids, entropy, ws);
+#endif
+  return topk_stats_row_scalar(x, V, K, vals, ids, entropy, ws);
+}
+
+}  // namespace taps

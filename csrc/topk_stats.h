@@ -1,0 +1,42 @@
+// Per-position statistics of draft logits in one read of each row: log-softmax, entropy, top-K.
+//
+// Why it exists: the candidate pool reads every draft position's logits over the (draft) vocabulary
+// (7 x 24K floats per round here); log_softmax, exp, the entropy product, its sum and the top-K as
+// separate ATen passes cost ~0.5 ms a round, while one pass per row costs ~0.1 ms.
+//
+// Numerics: s = sum_i exp(x[i] - max) and t = sum_i exp(x[i] - max) * (x[i] - max), float32 terms summed in
+// float64 (8 lanes on AVX-512, in order in plain loops); lse = max + log(s) and logp[i] = x[i] - lse in float64,
+// rounded once; entropy = log(s) - t / s. They match the PyTorch reference (taps_kernels/reference/pool.py) to
+// float32 rounding, not bit for bit. The top-K (a threshold filter on AVX-512, topk_row in plain loops) orders
+// these log-probabilities exactly: larger first, equal values by smaller id.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tree_ops.h"
+
+namespace taps {
+
+struct TopKCandidate {
+  float value;
+  int32_t id;
+};
+
+struct TopKStatsWorkspace {
+  std::vector<float> logp;
+  std::vector<int32_t> ids;
+  std::vector<TopKCandidate> candidates;
+  TopKWorkspace topk;
+};
+
+// x [V] float32 -> vals [K], ids [K] (top-K log-probs, descending), *entropy (nats), K in [1, V], V < 2^31.
+// Returns false (outputs unspecified) when the row holds a NaN or +inf, or only -inf.
+bool topk_stats_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
+                    TopKStatsWorkspace& ws);
+
+// The plain-loop path on its own (what topk_stats_row runs without AVX-512); exposed for the unit test.
+bool topk_stats_row_scalar(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
+                           TopKStatsWorkspace& ws);
+
+}  // namespace taps
