@@ -160,3 +160,24 @@ def test_metadata_errors_name_the_argument_without_value_checks(case):
     with pytest.raises(ValueError, match="path"):
         tk.compact_kv([_cache(2, 1, 50, 4, 0)], [_cache(2, 1, 50, 4, 1)], prefix_lens, torch.zeros(3, 2).long(),
                       validate="none")
+
+
+def test_eager_cpu_calls_skip_the_dispatcher_and_traced_calls_do_not():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from taps_kernels._library import TapsOp
+    from taps_kernels.ops.mask import tree_mask_op
+
+    calls = []
+    recording = TapsOp(lambda *a, **k: calls.append("op") or tree_mask_op.op(*a, **k),
+                       lambda *a, **k: calls.append("kernel") or tree_mask_op.kernel(*a, **k))
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32)
+    depth = torch.tensor([[0, 1, 1]], dtype=torch.int32)
+    args = (parents, depth, torch.tensor([3], dtype=torch.int32), torch.tensor([4]))
+    eager = recording(*args, backend=None, validate="none")
+    assert calls == ["kernel"]
+    with FakeTensorMode() as mode:  # tracing: the registered op (its fake implementation)
+        fake = recording(*(mode.from_tensor(t) for t in args), backend=None, validate="none")
+    assert calls == ["kernel", "op"] and fake[1].shape == eager[1].shape
+    recording(*(t.to("meta") for t in args))  # a device other than the CPU: the op
+    assert calls == ["kernel", "op", "op"]

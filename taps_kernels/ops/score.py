@@ -181,9 +181,10 @@ def _score_kernel(tokens, parents, depth, num_nodes, logq, step_logq, topk_logp,
                          margin, topk_mass)
     if values_checked(validate, parents.device):
         _score_values(pool, w, token_embeddings, drafter_hidden)
-    out = resolve("score_edges", backend, parents.device)[1](pool, w, token_embeddings, drafter_hidden)
-    return fresh(out, [tokens, parents, depth, num_nodes, logq, step_logq, topk_logp, entropy, margin, topk_mass,
-                       token_embeddings, drafter_hidden, *weights])
+    name, fn = resolve("score_edges", backend, parents.device)
+    return fresh(fn(pool, w, token_embeddings, drafter_hidden),
+                 [tokens, parents, depth, num_nodes, logq, step_logq, topk_logp, entropy, margin, topk_mass,
+                  token_embeddings, drafter_hidden, *weights], name)
 
 
 def _score_fake(tokens, parents, depth, num_nodes, logq, step_logq, topk_logp, entropy, margin, topk_mass, weights,
