@@ -84,6 +84,9 @@ PREFERENCES: Dict[str, Preference] = {
         ("triton",), "flash-style attention over the packed ancestor bits",
         cpu=(), cpu_why="no C++ kernel: torch's matmuls under the reference's mask"),
     "accept_greedy": Preference(("cuda",), f"plain CUDA walk, one block per request, {_NO_SYNC}"),
+    "accept_round": Preference(("cuda",), f"the CUDA walk and device ops, {_NO_SYNC}",
+                               cpu_why="one C++ call for the walk, the committed tokens and the history append "
+                                       "instead of the walk and about twenty torch ops"),
     "compact_kv": Preference(("cuda",), "one CUDA launch moves the accepted rows of every layer in place"),
     "score_edges": Preference(
         ("triton",), "the edge MLP spread over the GPU, then one program per tree normalises and propagates",

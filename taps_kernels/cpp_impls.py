@@ -78,6 +78,16 @@ def accept_greedy_cpp(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: to
     return tuple(_C.accept_greedy(tokens, parents, num_nodes, target_tokens, path_len))
 
 
+@register("accept_round", "cpp")
+def accept_round_cpp(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_tokens: torch.Tensor,
+                     active: torch.Tensor, path_len: int, history_tokens: Optional[torch.Tensor] = None,
+                     history_lengths: Optional[torch.Tensor] = None):
+    """-> ``(path, accept_len, next_token, committed)`` int64 (:func:`taps_kernels.accept_round`); one C++ call, the
+    history appended to in place."""
+    return tuple(_C.accept_round(tokens, parents, num_nodes, target_tokens, active, path_len, history_tokens,
+                                 history_lengths))
+
+
 @register("compact_kv", "cpp")
 def compact_kv_cpp(keys: List[torch.Tensor], values: List[torch.Tensor], prefix_lens: torch.Tensor,
                    path: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The ``"cuda"`` backend: ``tree_mask``, ``accept_greedy`` and ``compact_kv`` on the plain-CUDA kernels.
+"""The ``"cuda"`` backend: ``tree_mask``, ``accept_greedy`` (and ``accept_round`` on it) and ``compact_kv`` on the
+plain-CUDA kernels.
 
 Importing this module registers the backend with :mod:`taps_kernels.backend`; it raises ImportError
 when the extension ``taps_kernels._C_cuda`` is missing (a CPU torch, or a build without nvcc), and
@@ -12,11 +13,12 @@ stream (no synchronisation), so the calls can be captured in CUDA graphs once wa
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .backend import load_extension, register
+from .reference.accept import accept_round_from_walk
 
 _C_cuda, _why = load_extension("_C_cuda")
 if _C_cuda is None:
@@ -39,6 +41,15 @@ def accept_greedy_cuda(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: t
     smallest matching child index wins (bit-identical to the reference)."""
     return _C_cuda.accept_greedy(tokens.contiguous(), parents.contiguous(), num_nodes.contiguous(),
                                  target_tokens.contiguous(), int(path_len))
+
+
+@register("accept_round", "cuda")
+def accept_round_cuda(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                      target_tokens: torch.Tensor, active: torch.Tensor, path_len: int,
+                      history_tokens: Optional[torch.Tensor] = None, history_lengths: Optional[torch.Tensor] = None):
+    """:func:`taps_kernels.accept_round` with the CUDA walk and device ops (no host read)."""
+    return accept_round_from_walk(accept_greedy_cuda, tokens, parents, num_nodes, target_tokens, active, path_len,
+                                  history_tokens, history_lengths)
 
 
 # --- compaction table ------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ EXPECTED = {
     "tree_mask": ("cuda", "cpp"),
     "tree_attention": ("triton", "reference"),
     "accept_greedy": ("cuda", "cpp"),
+    "accept_round": ("cuda", "cpp"),
     "compact_kv": ("cuda", "cpp"),
     "score_edges": ("triton", "cpp"),
     "lookup_chain": ("reference", "cpp"),

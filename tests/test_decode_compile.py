@@ -102,11 +102,12 @@ def test_prompt_lookup_compiles_fullgraph():
     import random
 
     from taps.decode.token_history import TokenHistory, lookup_only_tree
+    from taps_kernels.reference.accept import append_history_reference
     from taps_kernels.reference.lookup import graft_chain_reference as graft_chain
     from taps_kernels.reference.lookup import lookup_chain_reference as lookup_chain
 
     def lookup(history, committed, counts, tree_parts, log_reach, bonus, caps):
-        history.append(committed, counts)
+        append_history_reference(*history.buffers(3), committed, counts)
         tokens, lengths = history.rows(slice(0, 3))
         chain, chain_len, ngram = lookup_chain(tokens, lengths, 6, 3)
         reach = torch.log(torch.full(chain.shape, 0.5)).cumsum(1)

@@ -48,7 +48,7 @@ def _inject(m, dec, drafter, where):
     if where == "verify":  # right after the verify forward wrote every row's tree into the cache
         dec.round_hook = _raise
     elif where == "accept":
-        m.setattr(taps_kernels, "accept_greedy", _raise)
+        m.setattr(taps_kernels, "accept_round", _raise)
     elif where == "compact":  # after accept: the one compaction call moves rows in every layer
         m.setattr(dec.verifier, "commit_batch", _raise)
     elif where == "context":  # after compaction advanced the lengths

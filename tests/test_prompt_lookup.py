@@ -15,6 +15,7 @@ from taps.decode.policies.lookup import costed_lookup_policy, taps_lookup_policy
 from taps.decode.policies.sources import ChainAcceptance
 from taps_kernels import Tree, graft_chain, lookup_chain
 from taps_kernels.backend import unavailable_reason
+from taps_kernels.reference.accept import append_history_reference
 
 V = 61
 LATENCY = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02, "t0_parts": {"context": 0.001}}
@@ -175,7 +176,7 @@ def test_lookup_ops_refuse_bad_input(backend):
                     torch.zeros(2, 4), backend=backend)
 
 
-def test_token_history_appends_like_lists():
+def test_token_history_appends_like_lists():  # the reference append (accept_round appends through it)
     rng = random.Random(5)
     h = TokenHistory(3, "cpu")
     ref = [[], [], []]
@@ -191,7 +192,7 @@ def test_token_history_appends_like_lists():
             committed[b, :counts[b]] = torch.tensor(new, dtype=torch.int64)
             ref[b] += new
         h.reserve(max(len(r) for r in ref))  # grows between rounds, keeping every row
-        h.append(committed, torch.tensor(counts))
+        append_history_reference(*h.buffers(3), committed, torch.tensor(counts))
         tokens, lengths = h.rows(slice(0, 3))
         assert lengths.tolist() == [len(r) for r in ref]
         assert [tokens[b, :len(r)].tolist() for b, r in enumerate(ref)] == ref

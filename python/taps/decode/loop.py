@@ -9,8 +9,8 @@ else shares the batch), and sampled output has the target's distribution. Stop t
 Round structure. A round verifies the trees built at the end of the previous round (or when the request
 joined), then builds the next ones::
 
-    verify (tree_attention) -> choose target tokens -> accept_greedy -> ONE compact_kv call -> drafter
-    context update -> [draft -> policy tree]  -> ONE packed read to the host
+    verify (tree_attention) -> choose target tokens -> accept_round (walk, committed tokens, history) -> ONE
+    compact_kv call -> drafter context update -> [draft -> policy tree]  -> ONE packed read to the host
 
 Everything before the read stays on the device: position ids, masks, selection, acceptance, compaction,
 the drafter's context update and the next trees. The packed read carries, per row, the committed tokens,
@@ -433,29 +433,11 @@ class BatchDecoder:
         return self._apply(host, rows, built, bonus, drafted, timer.seconds(), RoundClock.seconds(round_end))
 
     def _accept(self, tree: Tree, target_tokens: torch.Tensor, active: torch.Tensor, P: int):
-        """``(path [B, P], accept_len [B], next_token [B], committed [B, P])`` int64 of the verified trees; idle rows
-        accept nothing. ``committed``: the accepted path's tokens after the root, then ``next_token``, -1 after."""
-        B, width = tree.tokens.shape
-        dev = tree.device
-        if width == 1:
-            path = torch.zeros(B, 1, dtype=torch.int64, device=dev)
-            accept_len = torch.ones(B, dtype=torch.int64, device=dev)
-            next_token = target_tokens[:, 0]
-        else:
-            path, accept_len, next_token = taps_kernels.accept_greedy(tree, target_tokens, max_depth=P - 1,
-                                                                             validate=IN_ROUND)
-        accept_len = torch.where(active, accept_len, torch.zeros_like(accept_len))
-        keep = active[:, None] | (torch.arange(P, device=dev) == 0)[None, :]
-        path = torch.where(keep, path, torch.full_like(path, -1))
-        path_tokens = tree.tokens.gather(1, path.clamp(min=0))
-        shifted = torch.cat([path_tokens[:, 1:], path_tokens.new_zeros(B, 1)], 1)
-        j = torch.arange(P, device=dev)[None, :]
-        committed = torch.where(j < (accept_len - 1)[:, None], shifted,
-                                torch.where(j == (accept_len - 1)[:, None], next_token[:, None],
-                                            torch.full_like(shifted, -1)))
-        if self._history is not None:
-            self._history.append(committed, accept_len)
-        return path, accept_len, next_token, committed
+        """``(path [B, P], accept_len [B], next_token [B], committed [B, P])`` int64 of the verified trees
+        (:func:`taps_kernels.accept_round`; idle rows accept nothing); the committed tokens join the history."""
+        B = tree.tokens.shape[0]
+        history = None if self._history is None else self._history.buffers(B)
+        return taps_kernels.accept_round(tree, target_tokens, active, P - 1, history=history, validate=IN_ROUND)
 
     def _commit(self, hidden_states, path: torch.Tensor, accept_len: torch.Tensor, chain: bool,
                 timer: StageTimer) -> None:

@@ -50,15 +50,11 @@ class TokenHistory:
         self.tokens[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         self.lengths[row] = len(tokens)
 
-    def append(self, committed: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append ``committed [R, P] int64``'s first ``counts [R]`` tokens to rows ``0 .. R-1`` (device only).
-        The caller reserved room; writes past a row's count go to the sink column."""
-        R, P = committed.shape
-        j = torch.arange(P, device=self.device)[None, :]
-        lengths = self.lengths[:R]
-        at = torch.where(j < counts[:, None], lengths[:, None] + j, torch.full_like(j, self.capacity))
-        self.tokens[:R].scatter_(1, at.clamp(max=self.capacity), committed.clamp(min=0))
-        lengths += counts
+    def buffers(self, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens [R, C + 1], lengths [R])`` of rows ``0 .. R-1``, the sink column included: contiguous views
+        that :func:`taps_kernels.accept_round` appends the round's committed tokens to in place (the caller reserved
+        room)."""
+        return self.tokens[:rows], self.lengths[:rows]
 
     def rows(self, rows: slice) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(tokens [R, C], lengths [R])`` of a contiguous range of rows (views, the sink column dropped)."""
