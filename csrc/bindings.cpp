@@ -89,6 +89,20 @@ std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k
   return {vals.narrow(2, 0, K).contiguous(), ids.narrow(2, 0, K).contiguous(), entropy, margin, topk_mass};
 }
 
+// ------------------------------------------------------------------------------------------------ argmax
+at::Tensor argmax_rows(const at::Tensor& logits_in) {
+  check_arg(logits_in, "logits", {at::kFloat}, {-1, -1});
+  const int64_t R = logits_in.size(0), V = logits_in.size(1);
+  if (V < 1) throw py::value_error("logits: expected at least one column, received shape " + shape_str(logits_in.sizes()));
+  const at::Tensor logits = logits_in.contiguous();
+  at::Tensor out = at::empty({R}, at::kLong);
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  py::gil_scoped_release no_gil;
+  for_batch(R, V, [&](int64_t r) { o[r] = taps::argmax_row(x + r * V, V); });
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------ best-first pool
 struct PoolArgs {
   int64_t B;
@@ -709,6 +723,8 @@ at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& weight_in, cons
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "taps_kernels C++ CPU backend: tree ops on CPU tensors (see taps_kernels/cpp_impls.py and docs/DESIGN.md)";
+  m.def("argmax_rows", &argmax_rows, "logits [R,V] float32 -> [R] int64: first index of each row's largest (NaN "
+        "largest), as torch.argmax", py::arg("logits"));
   m.def("topk_stats", &topk_stats, "draft_logits [B,D,V] float, top_k -> [topk_logp, topk_ids, entropy, margin, topk_mass]",
         py::arg("draft_logits"), py::arg("top_k"));
   m.def("best_first_pool", &best_first_pool,

@@ -129,6 +129,29 @@ TAPS_TOPK_AVX512 bool row_avx512(const float* x, int64_t V, int32_t K, float* va
   return true;
 }
 
+TAPS_TOPK_AVX512 bool max_avx512(const float* x, int64_t V, float* out) {
+  __m512 vmax = _mm512_set1_ps(-kInf);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = tail_mask(V - i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-kInf), m, x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, v);
+  }
+  *out = _mm512_reduce_max_ps(vmax);
+  return nan == 0;
+}
+
+TAPS_TOPK_AVX512 int64_t first_equal_avx512(const float* x, int64_t V, float value) {
+  const __m512 target = _mm512_set1_ps(value);
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 hit = tail_mask(V - i) & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(tail_mask(V - i), x + i), target,
+                                                                 _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;
+}
+
 bool avx512_available() {
   static const bool ok = __builtin_cpu_supports("avx512f");
   return ok;
@@ -155,6 +178,19 @@ bool topk_stats_row_scalar(const float* x, int64_t V, int32_t K, float* vals, in
   }
   finish_row(x, V, K, mx, s, t, vals, ids, entropy, ws);
   return true;
+}
+
+int64_t argmax_row(const float* x, int64_t V) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  float best;
+  if (avx512_available() && max_avx512(x, V, &best)) return first_equal_avx512(x, V, best);
+#endif
+  int64_t arg = 0;  // plain loop, and rows holding a NaN
+  for (int64_t i = 1; i < V; ++i) {
+    if (std::isnan(x[arg])) break;
+    if (std::isnan(x[i]) || x[i] > x[arg]) arg = i;
+  }
+  return arg;
 }
 
 bool topk_stats_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,

@@ -78,6 +78,12 @@ def accept_greedy_cpp(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: to
     return tuple(_C.accept_greedy(tokens, parents, num_nodes, target_tokens, path_len))
 
 
+@register("greedy_tokens", "cpp")
+def greedy_tokens_cpp(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [R, V]`` float -> ``[R] int64`` (half and bf16 widened to float32 first: the same argmax)."""
+    return _C.argmax_rows(logits.float())
+
+
 @register("accept_round", "cpp")
 def accept_round_cpp(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_tokens: torch.Tensor,
                      active: torch.Tensor, path_len: int, history_tokens: Optional[torch.Tensor] = None,

@@ -45,6 +45,7 @@ EXPECTED = {
     "tree_attention": ("triton", "reference"),
     "accept_greedy": ("cuda", "cpp"),
     "accept_round": ("cuda", "cpp"),
+    "greedy_tokens": ("reference", "cpp"),
     "compact_kv": ("cuda", "cpp"),
     "score_edges": ("triton", "cpp"),
     "lookup_chain": ("reference", "cpp"),

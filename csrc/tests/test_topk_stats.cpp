@@ -1,6 +1,6 @@
 // Unit test of the fused per-position statistics (topk_stats.h) against a double-precision brute force, for
 // the vector path and the plain-loop fallback: V not a multiple of 16 (masked tail), impossible tokens (-inf),
-// ties, K = V, and the refused rows (NaN, +inf, every entry -inf).
+// ties, K = V, and the refused rows (NaN, +inf, every entry -inf); argmax_row against a plain scan (ties, NaN, +-inf).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -74,6 +74,19 @@ int main() {
       CHECK(!run(x.data(), 40, 4, vals.data(), ids.data(), &entropy, ws));
       std::fill(x.begin(), x.end(), -kInf);
       CHECK(!run(x.data(), 40, 4, vals.data(), ids.data(), &entropy, ws));
+    }
+  }
+  for (int64_t V : {1, 2, 15, 16, 17, 100, 49152}) {
+    for (int rep = 0; rep < 40; ++rep) {
+      std::vector<float> x(V);
+      for (auto& v : x) v = std::round(normal(rng));  // ties
+      if (rep % 5 == 1) x[rng() % V] = std::nanf("");
+      if (rep % 5 == 2) x[rng() % V] = kInf;
+      if (rep % 5 == 3) std::fill(x.begin(), x.end(), -kInf);
+      int64_t want = 0;  // first of the largest; the first NaN beats every number
+      for (int64_t i = 1; i < V && !std::isnan(x[want]); ++i)
+        if (std::isnan(x[i]) || x[i] > x[want]) want = i;
+      CHECK(taps::argmax_row(x.data(), V) == want);
     }
   }
   return g_failures != 0;

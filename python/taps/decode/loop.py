@@ -355,9 +355,9 @@ class BatchDecoder:
 
     def _choose(self, logits: torch.Tensor, rows: List[Optional[_Row]]) -> torch.Tensor:
         """Target tokens ``[B, N]``: argmax, or per running row one sample per node from its own generator."""
+        out = taps_kernels.greedy_tokens(logits)
         if self.sampling.greedy:
-            return logits.argmax(dim=-1)
-        out = logits.argmax(dim=-1)
+            return out
         for b, row in enumerate(rows):
             if row is not None:
                 probs = processed_probs(logits[b], self.sampling)
