@@ -44,9 +44,9 @@ def _plain_cpu_eager(args: Sequence, kwargs: dict) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     for a in (*args, *kwargs.values()):
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, torch.Tensor) and (type(t) is not torch.Tensor or t.device.type != "cpu"):
-                return False
+        t = a[0] if isinstance(a, (list, tuple)) and a else a  # a list's tensors share a device (the ops check it)
+        if isinstance(t, torch.Tensor) and (type(t) is not torch.Tensor or t.device.type != "cpu"):
+            return False
     return True
 
 

@@ -215,8 +215,10 @@ class CacheVerifier:
         """
         B = path.shape[0]
         if moves:
-            taps_kernels.compact_kv([k[:B] for k in self.keys], [v[:B] for v in self.values], self.lengths[:B], path,
-                                    validate=IN_ROUND)
+            whole = B == self.keys[0].shape[0]  # no per-layer views to build (60 of them for SmolLM2)
+            keys = self.keys if whole else [k[:B] for k in self.keys]
+            values = self.values if whole else [v[:B] for v in self.values]
+            taps_kernels.compact_kv(keys, values, self.lengths[:B], path, validate=IN_ROUND)
         self.lengths[:B] += accept_len
 
     # --- batch-1 interface (scorer traces, latency calibration) -------------------------------------------------
