@@ -694,11 +694,11 @@ std::vector<int64_t> validate_tree(const at::Tensor& tokens_in, const at::Tensor
 }
 
 // ------------------------------------------------------------------------------------------------ rows_linear
-// x [M,K] f32, weight [N,K] f32, bias [N] f32 or None -> y [M,N] f32 (see rows_linear.h).
+// x [M,K] f32, weight [N,K] f32 or bf16 (widened exactly), bias [N] f32 or None -> y [M,N] f32 (see rows_linear.h).
 at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in) {
   check_arg(x_in, "x", {at::kFloat}, {-1, -1});
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  check_arg(weight_in, "weight", {at::kFloat}, {-1, K});
+  check_arg(weight_in, "weight", {at::kFloat, at::kBFloat16}, {-1, K});
   const int64_t N = weight_in.size(0);
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
@@ -709,13 +709,21 @@ at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& weight_in, cons
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const float* wp = bf16 ? nullptr : weight.data_ptr<float>();
+  const auto* wp16 = bf16 ? reinterpret_cast<const taps::Bf16*>(weight.data_ptr<at::BFloat16>()) : nullptr;
   py::gil_scoped_release no_gil;
   // K == 0 needs no branch: the kernels then write bias (or 0) without reading x or weight.
   const int64_t tiles = (N + taps::kRowsLinearTile - 1) / taps::kRowsLinearTile;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { taps::rows_linear_tiles(xp, wp, bp, yp, M, N, K, t0, t1); });
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    if (bf16) {
+      taps::rows_linear_tiles(xp, wp16, bp, yp, M, N, K, t0, t1);
+    } else {
+      taps::rows_linear_tiles(xp, wp, bp, yp, M, N, K, t0, t1);
+    }
+  });
   return y;
 }
 
@@ -773,7 +781,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact_kv", &compact_kv, "In place on every cache tensor [B,H,L,Dh]; -> new_lens [B] i64", py::arg("keys"),
         py::arg("values"), py::arg("prefix_lens"), py::arg("path"));
   taps_bind::register_score(m);
-  m.def("rows_linear", &rows_linear, "x [M,K] f32, weight [N,K] f32, bias [N] f32 or None -> x . weight^T + bias [M,N] f32",
+  m.def("rows_linear", &rows_linear, "x [M,K] f32, weight [N,K] f32 or bf16, bias [N] f32 or None -> x . weight^T + bias "
+        "[M,N] f32",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("rows_linear_vectorized", &taps::rows_linear_vectorized, "whether rows_linear runs its AVX-512 path here");
   m.def("validate_tree", &validate_tree,

@@ -17,6 +17,12 @@ namespace taps {
 
 constexpr int64_t kRowsLinearTile = 64;
 
+// A bfloat16 weight (the upper 16 bits of a float32). Weights stored so are widened exactly and multiplied in
+// float32: the same products as their float32 copies, half the bytes to stream.
+struct Bf16 {
+  uint16_t bits;
+};
+
 // Whether this CPU runs the AVX-512 path; without it rows_linear_tiles falls back to plain loops
 // (correct, slower than BLAS: callers should not pick it then).
 bool rows_linear_vectorized();
@@ -25,9 +31,13 @@ bool rows_linear_vectorized();
 // bias may be null. Tiles write disjoint columns of y, so callers may run tile ranges in parallel.
 void rows_linear_tiles(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                        int64_t t0, int64_t t1);
+void rows_linear_tiles(const float* x, const Bf16* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                       int64_t t0, int64_t t1);
 
 // The plain-loop path on its own (what rows_linear_tiles runs without AVX-512); exposed for the unit test.
 void rows_linear_tiles_scalar(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
+                              int64_t K, int64_t t0, int64_t t1);
+void rows_linear_tiles_scalar(const float* x, const Bf16* w, const float* bias, float* y, int64_t M, int64_t N,
                               int64_t K, int64_t t0, int64_t t1);
 
 }  // namespace taps

@@ -93,7 +93,7 @@ def test_bad_inputs_name_the_argument():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"weight: expected shape \(\*, 8\), received \(4, 7\)"):
         taps_kernels.rows_linear(x, torch.randn(4, 7))
-    with pytest.raises(TypeError, match="weight: expected dtype float32, received float64"):
+    with pytest.raises(TypeError, match="weight: expected dtype float32 or bfloat16, received float64"):
         taps_kernels.rows_linear(x, torch.randn(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"bias: expected shape \(4,\), received \(5,\)"):
         taps_kernels.rows_linear(x, torch.randn(4, 8), torch.randn(5))
@@ -154,3 +154,31 @@ def test_gradients_still_flow_through_swapped_layers():
     layer(x).square().sum().backward()
     ref(x).square().sum().backward()
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 40])
+def test_bfloat16_weights_give_their_float32_copy_bit_for_bit(M):
+    # stored bf16 (what a bf16 checkpoint holds), widened exactly: the same outputs as the float32 copy, on the
+    # C++ kernel and on torch's linear (more rows than the kernel takes)
+    g = torch.Generator().manual_seed(M)
+    x, w16, b = torch.randn(M, 200, generator=g), torch.randn(70, 200, generator=g).bfloat16(), torch.randn(70)
+    w32 = w16.float()
+    assert torch.equal(taps_kernels.rows_linear(x, w16, b), taps_kernels.rows_linear(x, w32, b))
+    if M <= backend.ROWS_LINEAR_MAX_ROWS and backend.load_extension("_C")[0] is not None:
+        assert torch.equal(taps_kernels.rows_linear(x, w16, b, backend="cpp"),
+                           taps_kernels.rows_linear(x, w32, b, backend="cpp"))
+
+
+def test_store_bf16_if_exact_only_when_nothing_is_lost():
+    from taps_kernels.integrations.rows_linear import store_bf16_if_exact, use_rows_linear
+
+    exact, inexact = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        exact.weight.copy_(exact.weight.bfloat16().float())
+    use_rows_linear(exact), use_rows_linear(inexact)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        before = exact(x)
+        assert store_bf16_if_exact(exact) and exact.weight.dtype == torch.bfloat16
+        assert torch.equal(exact(x), before)
+        assert not store_bf16_if_exact(inexact) and inexact.weight.dtype == torch.float32

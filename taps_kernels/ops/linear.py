@@ -16,7 +16,8 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
     Args:
         x: ``[..., K]`` (any leading dims; their product is the row count ``M``).
-        weight: ``[N, K]``, same dtype and device as ``x``.
+        weight: ``[N, K]`` on ``x``'s device, of ``x``'s dtype, or bfloat16 with float32 ``x`` (widened exactly:
+            the outputs of its float32 copy, half the bytes to stream).
         bias: ``[N]`` or None.
         backend: None picks per call (:func:`taps_kernels.backend.rows_linear_backend`: the C++ kernel
             for 1..32 float32 rows on an AVX-512 CPU, torch's linear otherwise); ``"cpp"`` needs float32
@@ -32,7 +33,8 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if x.dim() < 1:
         raise ValueError(f"x: expected at least 1 dimension [..., K], received shape {tuple(x.shape)}")
     K = x.shape[-1]
-    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(None, K), device=x.device)
+    weight_dtypes = (x.dtype, torch.bfloat16) if x.dtype == torch.float32 else (x.dtype,)
+    check_tensor("weight", weight, dtypes=weight_dtypes, shape=(None, K), device=x.device)
     if bias is not None:
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(weight.shape[0],), device=x.device)
     # an explicit row count: reshape(-1, 0) is ambiguous when K == 0

@@ -7,8 +7,9 @@ import torch
 
 
 def rows_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x [M,K], weight [N,K], bias [N] or None`` (float32) -> ``x @ weight.T + bias`` ``[M,N]``."""
-    return torch.nn.functional.linear(x, weight, bias)
+    """``x [M,K], weight [N,K], bias [N] or None`` (float32; bfloat16 weights are widened) -> ``x @ weight.T + bias``
+    ``[M,N]``."""
+    return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
 
 
 def quantize_int8_rows_reference(weight: torch.Tensor):

@@ -110,7 +110,8 @@ class DFlashDrafter(DrafterInference, DrafterVocabulary, DrafterTraining, nn.Mod
         return int(self.config.mask_token_id)
 
     def _dtype(self):
-        return self.fc.weight.dtype
+        """The layers' compute dtype (``fc`` may store its weights narrower: :func:`enable_block_draft`)."""
+        return self.hidden_norm.weight.dtype
 
     def _rope(self, positions, dtype):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
