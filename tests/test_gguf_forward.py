@@ -254,18 +254,41 @@ def test_block_draft_equals_the_torch_layers_on_the_same_blocks(tiny):
     assert torch.allclose(lb, lt, atol=0.02 * lt.abs().max())
 
 
-@pytest.mark.parametrize("spec", ["dflash", "ddtree:6"])
-def test_block_drafter_decodes_losslessly(tiny, spec):
+@pytest.mark.parametrize("spec,head", [("dflash", "auto"), ("ddtree:6", "q8_0"), ("ddtree:6", "q4_1")])
+def test_block_drafter_decodes_losslessly(tiny, spec, head):
     from taps.models.drafter import prepare_drafter
+    from taps.models.drafter_blocks import HEAD_FORMATS
 
     target, ref = tiny
-    drafter = prepare_drafter(_block_drafter(), "cpu", body="blocks")
+    drafter = prepare_drafter(_block_drafter(), "cpu", body="blocks", head=head)
     assert drafter.block_draft is not None
+    assert drafter.block_draft.head_type == HEAD_FORMATS["q8_0" if head == "auto" else head]
     rng = random.Random(11)
     for _ in range(2):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
         got = SpeculativeDecoder(target, make_policy(spec), drafter=drafter).generate(prompt, 20)
         assert got.token_ids == greedy_reference(ref, prompt, 20)
+
+
+def test_q4_1_head_logits_follow_the_q8_0_ones(tiny):
+    # the Q4_1 head re-quantises the Q8_0 rows: logits move by its rounding (half a 4-bit step per weight), and a
+    # format the body does not take is refused
+    from taps.models.drafter import prepare_drafter
+
+    target, _ = tiny
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    outs = []
+    for fmt in ("q8_0", "q4_1"):
+        d = prepare_drafter(_block_drafter(), "cpu", body="blocks", head=fmt)
+        st = d.new_state(1)
+        d.append_context(st, torch.randn(1, 5, 2 * 64, generator=torch.Generator().manual_seed(4)))
+        outs.append(d.draft(st, torch.tensor([3]), embed, head, num_positions=3)[0])
+    q8, q4 = outs
+    assert not torch.equal(q8, q4) and torch.allclose(q4, q8, atol=0.15 * q8.abs().max())
+    with pytest.raises(ValueError, match="head: 'bfloat16' does not fit the blocks body"):
+        prepare_drafter(_block_drafter(), "cpu", body="blocks", head="bfloat16")
+    with pytest.raises(ValueError, match="head: 'q4_1' does not fit the float32 body"):
+        prepare_drafter(_block_drafter(), "cpu", body="float32", head="q4_1")
 
 
 def test_prepare_drafter_falls_back_where_blocks_do_not_fit():

@@ -150,3 +150,18 @@ def test_explain_names_the_gguf_path_this_cpu_runs():
     want = ("vnni" if _C.gguf_vnni_available() else "scalar") if _C.gguf_forward_available() else "unavailable"
     assert gguf_linear_backend()[0] == want
     assert f"gguf_linear (GGUF target format): {want} - " in taps_kernels.explain()
+
+
+def test_q4_1_quantiser_round_trips_within_half_a_step():
+    from taps_kernels.reference.gguf import Q4_1, dequantize_blocks_reference, quantize_q4_1_reference
+
+    w = torch.randn(7, 96, generator=torch.Generator().manual_seed(3))
+    w[2, :32] = 0.25  # a constant block: d = 0, every code 0, exact
+    raw = quantize_q4_1_reference(w)
+    assert raw.dtype == torch.uint8 and raw.shape == (7, 3 * 20)
+    back = dequantize_blocks_reference(raw, Q4_1, 96)
+    blocks = w.view(7, 3, 32)
+    step = (blocks.amax(-1) - blocks.amin(-1)) / 15
+    err = (back - w).abs().view(7, 3, 32).amax(-1)
+    assert bool((err <= step / 2 + 1e-3 * step + 1e-3).all())  # fp16 d and m round too
+    assert torch.equal(back[2, :32], w[2, :32])

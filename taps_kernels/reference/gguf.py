@@ -108,3 +108,22 @@ def quantize_q8_0_reference(weight: torch.Tensor) -> torch.Tensor:
                     torch.zeros_like(w)).clamp(-127, 127).to(torch.int8)
     blk = torch.cat([d[..., None].view(torch.uint8).reshape(N, K // BLOCK, 2), q.view(torch.uint8)], dim=-1)
     return blk.reshape(N, -1).contiguous()
+
+
+def quantize_q4_1_reference(weight: torch.Tensor) -> torch.Tensor:
+    """Float rows ``[N, K]`` (``K`` a multiple of 32) -> Q4_1 GGUF rows ``[N, K/32 * 20] uint8``: per block
+    ``m = fp16(min w)``, ``d = fp16((max w - min w) / 15)``, ``q = round_half_even((w - m) / d)`` clamped to [0, 15]
+    (``q = 0`` where ``d = 0``)."""
+    N, K = weight.shape
+    if K % BLOCK:
+        raise ValueError(f"weight: expected a multiple of {BLOCK} columns, received {K}")
+    w = weight.detach().float().reshape(N, K // BLOCK, BLOCK)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d, m = ((hi - lo) / 15).to(torch.float16), lo.to(torch.float16)
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = torch.where(df > 0, torch.round((w - mf) / df.clamp(min=torch.finfo(torch.float32).tiny)),
+                    torch.zeros_like(w)).clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    blk = torch.cat([d[..., None].view(torch.uint8).reshape(N, K // BLOCK, 2),
+                     m[..., None].view(torch.uint8).reshape(N, K // BLOCK, 2), qs], dim=-1)
+    return blk.reshape(N, -1).contiguous()

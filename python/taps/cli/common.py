@@ -38,10 +38,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "32-block); fp32: the blocks dequantised, transformers' modules; auto (default): gguf "
                         "on CPUs with AVX-512 VNNI for GGUF targets, else fp32")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the fp32-format target")
-    p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(HEAD_DTYPES),
-                   help="dtype of the drafter's vocabulary projection (auto: int8 on CPUs where fbgemm runs, "
-                        "else bfloat16 on CPUs with native bf16, else the target's; proposals only, outputs are "
-                        "unchanged)")
+    p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(HEAD_DTYPES) + ["q4_1", "q8_0"],
+                   help="the drafter's vocabulary projection: with the block body q8_0 or q4_1 blocks (auto: "
+                        "q8_0), with PyTorch layers a dtype (auto: int8 on CPUs where fbgemm runs, else bfloat16 "
+                        "on CPUs with native bf16, else the target's); proposals only, outputs are unchanged")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "blocks"] + sorted(DTYPES),
                    help="the drafter's layers (blocks: the whole draft pass through the GGUF block kernels, Q8_0 "
                         "weights; auto: blocks on CPUs with AVX-512 VNNI, else bfloat16 on CPUs with native bf16, "

@@ -19,7 +19,12 @@ import torch
 
 from taps_kernels.integrations.block_linear import BlockLinear, use_block_linear
 from taps_kernels.integrations.rows_linear import store_bf16_if_exact, use_rows_linear
-from taps_kernels.reference.gguf import Q8_0, quantize_q8_0_reference
+from taps_kernels.reference.gguf import (Q4_1, Q8_0, dequantize_blocks_reference, quantize_q4_1_reference,
+                                        quantize_q8_0_reference)
+
+#: Block formats of the draft head (:func:`enable_block_draft`) and their quantisers.
+HEAD_FORMATS = {"q8_0": Q8_0, "q4_1": Q4_1}
+QUANTIZE = {Q8_0: quantize_q8_0_reference, Q4_1: quantize_q4_1_reference}
 
 
 def block_draft_available() -> bool:
@@ -55,11 +60,14 @@ class BlockDraft:
     """The packed model of one drafter (built by :func:`enable_block_draft`); :meth:`draft` replaces the
     PyTorch layers of :meth:`DFlashDrafter.draft`."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, head_format: str = "q8_0"):
         from taps_kernels import _C
 
+        if head_format not in HEAD_FORMATS:
+            raise ValueError(f"head_format: expected one of {sorted(HEAD_FORMATS)}, received {head_format!r}")
         self._C = _C
         self.drafter = drafter
+        self.head_type = HEAD_FORMATS[head_format]
         c = drafter.config
         self.layers = []
         for layer in drafter.layers:
@@ -91,11 +99,14 @@ class BlockDraft:
         H = self.config["hidden"]
         blocks = getattr(embed_tokens, "gguf_blocks", None)  # a GGUF target's own blocks: used as they are
         raw, t = blocks if blocks is not None else (quantize_q8_0_reference(ew.detach().float()), Q8_0)
-        if blocks is not None and hw is ew:  # tied head: the same blocks' rows
-            head_raw, ht = (raw if ids is None else raw.index_select(0, ids.cpu()).contiguous()), t
+        ht = self.head_type
+        if blocks is not None and hw is ew:  # tied head: the same blocks' rows (re-quantised if another format)
+            head_raw = raw if ids is None else raw.index_select(0, ids.cpu()).contiguous()
+            if t != ht:
+                head_raw = QUANTIZE[ht](dequantize_blocks_reference(head_raw, t, H))
         else:
             rows = hw.detach().float() if ids is None else hw.detach().float().index_select(0, ids.to(hw.device))
-            head_raw, ht = quantize_q8_0_reference(rows), Q8_0
+            head_raw = QUANTIZE[ht](rows)
         embed = (self._C.gguf_pack(raw, t, H, "embed"), t, raw.shape[0], H)
         head = (self._C.gguf_pack(head_raw, ht, H, "head"), ht, head_raw.shape[0], H)
         self._model = self._C.GGUFModel(self.config, self.layers, embed, self.final_norm, head)
@@ -136,11 +147,16 @@ class BlockDraft:
         return out, hidden
 
 
-def enable_block_draft(drafter) -> "BlockDraft":
+def enable_block_draft(drafter, head_format: str = "q8_0") -> "BlockDraft":
     """Switch ``drafter`` (float32, on the CPU) to block drafting: its layers' linear modules become
     :class:`BlockLinear` (Q8_0) and :meth:`DFlashDrafter.draft` runs :class:`BlockDraft`. ``fc`` (the
     context features, whose outlier channels int8 activations would destroy) stays in float32, through the few-row
-    kernel (:class:`taps_kernels.integrations.rows_linear.RowsLinear`)."""
+    kernel (:class:`taps_kernels.integrations.rows_linear.RowsLinear`).
+
+    ``head_format``: the draft vocabulary's head rows as ``"q8_0"`` (a GGUF target's own blocks, or float rows
+    quantised) or ``"q4_1"`` (re-quantised from those: 8.3 MB instead of 14.7 for SmolLM2's 24K draft rows,
+    ~0.3 ms less per 7-position draft on this project's CPU, for tau -1.1% on HumanEval and -0.65% on MT-Bench
+    with DDTree budget 4 over 60 prompts each; README "Results")."""
     if next(drafter.parameters()).dtype != torch.float32 or next(drafter.parameters()).device.type != "cpu":
         raise ValueError("drafter: block drafting needs a float32 drafter on the CPU")
     if not block_draft_available():
@@ -154,5 +170,5 @@ def enable_block_draft(drafter) -> "BlockDraft":
     # checkpoint is bfloat16: 3.3 MB a round instead of 6.6, the same outputs)
     use_rows_linear(drafter.fc)
     store_bf16_if_exact(drafter.fc)
-    drafter.block_draft = BlockDraft(drafter)
+    drafter.block_draft = BlockDraft(drafter, head_format)
     return drafter.block_draft

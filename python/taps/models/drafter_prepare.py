@@ -54,7 +54,11 @@ def fast_head_dtype(device) -> Optional[torch.dtype]:
 #: Drafter body modes of :func:`prepare_drafter`: ``blocks`` = the GGUF block forward
 #: (:mod:`taps.models.drafter_blocks`), or a float dtype for the PyTorch layers.
 DRAFT_BODIES = ("auto", "blocks", "float32", "bfloat16", "float16")
-DRAFT_HEADS = ("auto", "float32", "bfloat16", "float16", "int8")
+DRAFT_HEADS = ("auto", "float32", "bfloat16", "float16", "int8", "q8_0", "q4_1")
+#: Head formats of the block body (the rest are the PyTorch layers' head dtypes).
+BLOCK_HEADS = ("q8_0", "q4_1")
+#: The block body's head when ``head="auto"``.
+DEFAULT_BLOCK_HEAD = "q8_0"
 
 
 def prepare_drafter(drafter: "DFlashDrafter", device, body: str = "auto", head: str = "auto",
@@ -64,7 +68,8 @@ def prepare_drafter(drafter: "DFlashDrafter", device, body: str = "auto", head: 
 
     ``body``: ``auto`` = ``blocks`` on CPUs where the block forward runs (AVX-512 VNNI: the whole draft pass in
     one C++ call, ~2 ms against ~6 ms for bf16 layers here), else :func:`fast_body_dtype` (or the drafter's
-    float32); ``head`` (PyTorch layers only): ``auto`` = :func:`fast_head_dtype`, or a dtype name / ``int8``.
+    float32); ``head``: for the PyTorch layers ``auto`` = :func:`fast_head_dtype`, or a dtype name / ``int8``; for
+    the block body ``auto`` = :data:`DEFAULT_BLOCK_HEAD`, or ``q8_0`` / ``q4_1`` (:func:`enable_block_draft`).
     """
     from .drafter_blocks import block_draft_available, block_draft_unsupported, enable_block_draft
 
@@ -79,8 +84,11 @@ def prepare_drafter(drafter: "DFlashDrafter", device, body: str = "auto", head: 
             str(fast_body_dtype(dev) or torch.float32).replace("torch.", "")
     drafter = drafter.to(device=dev, dtype=torch.float32 if body == "blocks" else getattr(torch, body)).eval()
     drafter.short_blocks = bool(short_blocks)
+    if (head in BLOCK_HEADS) != (body == "blocks") and head != "auto":
+        raise ValueError(f"head: {head!r} does not fit the {body} body (the block body takes {BLOCK_HEADS}, the "
+                         f"PyTorch layers a dtype name or int8)")
     if body == "blocks":
-        enable_block_draft(drafter)
+        enable_block_draft(drafter, DEFAULT_BLOCK_HEAD if head == "auto" else head)
     else:
         drafter.head_dtype = fast_head_dtype(dev) if head == "auto" else \
             (torch.int8 if head == "int8" else getattr(torch, head))
