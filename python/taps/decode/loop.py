@@ -168,11 +168,9 @@ class BatchDecoder:
         self._max_depth = policy.max_tree_depth(self._draft_positions)
         # committed tokens on the device for policies that look back at them (prompt lookup)
         self._history = TokenHistory(max_batch, self.device) if policy.wants_history else None
-        draft_vocab = getattr(self.drafter, "draft_vocab", None)
-        # reduced-vocabulary logits for policies that map the columns back: the pool scans a third of the columns
-        self._sub_vocab_logits = draft_vocab is not None and policy.handles_draft_vocab
-        policy.vocab_ids = draft_vocab if self._sub_vocab_logits else None
         policy.bind(target, self.drafter, self.device)
+        # reduced-vocabulary logits for policies that map the columns back: the pool scans a third of the columns
+        self._sub_vocab_logits = policy.vocab_ids is not None
         self._rows: List[Optional[_Row]] = [None] * max_batch
         self._queue: List[tuple] = []
         self._results: Dict[int, GenerationResult] = {}

@@ -85,8 +85,8 @@ class TreePolicy:
     #: :meth:`build` maps logit columns through :attr:`vocab_ids`: the loop may then hand it the drafter's
     #: reduced-vocabulary logits (a third of the columns for a 16K draft vocabulary; the pool costs less)
     handles_draft_vocab: bool = False
-    #: ``[V_draft] int64`` sorted token ids of the logit columns :meth:`build` receives (set by the loop before
-    #: :meth:`bind` when the drafter has a draft vocabulary and :attr:`handles_draft_vocab`), else None
+    #: ``[V_draft] int64`` sorted token ids of the logit columns :meth:`build` receives (set by :meth:`bind` when
+    #: the drafter has a draft vocabulary and :attr:`handles_draft_vocab`), else None
     vocab_ids: Optional[torch.Tensor] = None
     #: :meth:`build` takes ``history=(tokens [B, C] int64, lengths [B] int64)``, each row's committed tokens
     #: (prompt, generated, and the root last; :class:`taps.decode.token_history.TokenHistory`), and is called in
@@ -94,7 +94,10 @@ class TreePolicy:
     wants_history: bool = False
 
     def bind(self, target_model, drafter, device: torch.device) -> None:
-        """Hook called once before decoding; policies with learned parts load or move them here."""
+        """Called once before decoding: takes the drafter's draft vocabulary when :meth:`build` maps logit columns
+        (:attr:`vocab_ids`); policies with learned parts load or move them here too (calling this first)."""
+        draft_vocab = getattr(drafter, "draft_vocab", None)
+        self.vocab_ids = draft_vocab if draft_vocab is not None and self.handles_draft_vocab else None
 
     def reset(self) -> None:
         """Hook called by the decoder when a new batch starts (per-run state goes here)."""

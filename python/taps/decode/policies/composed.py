@@ -66,6 +66,7 @@ class ComposedPolicy(TreePolicy):
         return self.size.max_nodes + 1
 
     def bind(self, target_model, drafter, device) -> None:
+        super().bind(target_model, drafter, device)
         self.reach.bind(self.name, target_model, drafter, device)
         if isinstance(self.size, ThroughputSize):
             latency = self.size.latency
