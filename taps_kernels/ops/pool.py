@@ -234,8 +234,15 @@ def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k:
             (b,) = first_index(bad)
             where = f"outside the vocabulary [0, {V})" if vocab_ids is None else "negative (expected a token id >= 0)"
             raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is {where}")
-    stats = topk_stats(draft_logits, top_k, backend=backend, validate=validate, vocab_ids=vocab_ids)
-    # The lattice comes from checked (or, under validate="none" / on a GPU, trusted) logits: no second scan.
-    tree, logq, step_logq, rank = best_first_pool(stats, root_tokens, pool_size, backend=pool_backend, validate="none")
-    return CandidatePool(tree, logq, step_logq, rank, stats.topk_logp, stats.topk_ids, stats.entropy, stats.margin,
-                         stats.topk_mass)
+    if vocab_ids is not None:
+        _check_vocab_ids(vocab_ids, draft_logits, validate)
+    # The two ops straight after this op's own checks (the public topk_stats / best_first_pool would repeat them,
+    # tens of microseconds per call in a decode round): the lattice is the op's output, so its shapes hold, and it
+    # comes from checked (or, under validate="none" / on a GPU, trusted) logits: no second scan of its values.
+    topk_logp, topk_ids, entropy, margin, topk_mass = topk_stats_op(draft_logits, top_k, backend, validate)
+    if vocab_ids is not None:  # sorted ids: column order is token order, so ties already fell to the smaller id
+        topk_ids = vocab_ids[topk_ids]
+    tokens, parents, depth, num_nodes, logq, step_logq, rank = best_first_pool_op(
+        topk_logp, topk_ids, root_tokens.contiguous(), pool_size, pool_backend, "none")
+    return CandidatePool(Tree(tokens, parents, depth, num_nodes), logq, step_logq, rank, topk_logp, topk_ids, entropy,
+                         margin, topk_mass)
