@@ -7,12 +7,14 @@
 
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "gguf_forward.h"
 #include "gguf_linear.h"
+#include "rows_linear.h"
 #include "torch_checks.h"
 
 namespace py = pybind11;
@@ -281,6 +283,46 @@ class GGUFModel {
     }
   }
 
+  // The drafter's context rows from the target's features in one call: features [B, N, F] f32 -> hidden_norm(fc(.))
+  // ([H, F] f32 or bf16 weight, the few-row kernel; RMSNorm with norm_weight [H] f32), then context_kv of it.
+  void project_context_kv(const at::Tensor& features, const at::Tensor& fc_weight, const at::Tensor& norm_weight,
+                          double eps, const at::Tensor& prefix_lens, const at::Tensor& cache_rows,
+                          const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values) {
+    const int64_t H = w_.hidden;
+    check_arg(features, "ctx_features", {at::kFloat}, {-1, -1, -1});
+    const int64_t B = features.size(0), N = features.size(1), F = features.size(2);
+    check_arg(fc_weight, "fc.weight", {at::kFloat, at::kBFloat16}, {H, F});
+    check_arg(norm_weight, "hidden_norm.weight", {at::kFloat}, {H});
+    const at::Tensor x = features.contiguous(), wfc = fc_weight.contiguous(), wn = norm_weight.contiguous();
+    at::Tensor h = at::empty({B, N, H}, x.options());
+    {
+      py::gil_scoped_release no_gil;
+      const int64_t M = B * N, tiles = (H + taps::kRowsLinearTile - 1) / taps::kRowsLinearTile;
+      float* y = h.data_ptr<float>();
+      const float* xp = x.data_ptr<float>();
+      const bool bf16 = wfc.scalar_type() == at::kBFloat16;
+      const auto* w16 = bf16 ? reinterpret_cast<const taps::Bf16*>(wfc.data_ptr<at::BFloat16>()) : nullptr;
+      const float* w32 = bf16 ? nullptr : wfc.data_ptr<float>();
+      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        if (bf16) {
+          taps::rows_linear_tiles(xp, w16, nullptr, y, M, H, F, t0, t1);
+        } else {
+          taps::rows_linear_tiles(xp, w32, nullptr, y, M, H, F, t0, t1);
+        }
+      });
+      // RMSNorm as the drafter's module computes it: x * rsqrt(mean(x^2) + eps), times the weight
+      const float* g = wn.data_ptr<float>();
+      for (int64_t r = 0; r < M; ++r) {
+        float* row = y + r * H;
+        float ss = 0.0f;
+        for (int64_t j = 0; j < H; ++j) ss += row[j] * row[j];
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+        for (int64_t j = 0; j < H; ++j) row[j] = g[j] * (row[j] * inv);
+      }
+    }
+    context_kv(h, prefix_lens, cache_rows, keys, values);
+  }
+
   // Exact float32 rows of the embedding: ids [n] i64 -> [n, hidden].
   at::Tensor embed_rows(const at::Tensor& ids_in) const {
     if (w_.embed.data == nullptr) throw py::value_error("embed_rows: this model was built without an embedding");
@@ -344,6 +386,9 @@ void register_gguf(py::module& m) {
       .def("forward", &GGUFModel::forward, py::arg("tokens"), py::arg("position_ids"), py::arg("prefix_lens"),
            py::arg("cache_rows"), py::arg("ancestor_bits"), py::arg("keys"), py::arg("values"),
            py::arg("feature_layers"), py::arg("logit_rows"))
+      .def("project_context_kv", &GGUFModel::project_context_kv, py::arg("ctx_features"), py::arg("fc_weight"),
+           py::arg("norm_weight"), py::arg("eps"), py::arg("prefix_lens"), py::arg("cache_rows"), py::arg("keys"),
+           py::arg("values"))
       .def("context_kv", &GGUFModel::context_kv, py::arg("hidden"), py::arg("prefix_lens"), py::arg("cache_rows"),
            py::arg("keys"), py::arg("values"))
       .def("embed_rows", &GGUFModel::embed_rows, py::arg("ids"));

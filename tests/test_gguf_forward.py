@@ -291,6 +291,17 @@ def test_q4_1_head_logits_follow_the_q8_0_ones(tiny):
         prepare_drafter(_block_drafter(), "cpu", body="float32", head="q4_1")
 
 
+def test_block_context_refuses_features_of_another_width_before_writing():
+    from taps.models.drafter import prepare_drafter
+
+    d = prepare_drafter(_block_drafter(), "cpu", body="blocks")
+    st = d.new_state(1)
+    before = [t.clone() for t in st.k_buf]
+    with pytest.raises(ValueError, match="context features have 100 channels, drafter expects 128"):
+        d.append_context(st, torch.randn(1, 3, 100))
+    assert all(torch.equal(a, b) for a, b in zip(before, st.k_buf)) and int(st.lengths[0]) == 0
+
+
 def test_prepare_drafter_falls_back_where_blocks_do_not_fit():
     from taps.models.drafter import prepare_drafter
 

@@ -118,14 +118,17 @@ class DFlashDrafter(DrafterInference, DrafterVocabulary, DrafterTraining, nn.Mod
 
     def project_context(self, ctx_features: torch.Tensor) -> torch.Tensor:
         """``[B,T,n*H]`` target features -> ``hidden_norm(fc(.))`` ``[B,T,H]``."""
-        if ctx_features.shape[-1] != self.config.num_context_features:
-            raise ValueError(f"context features have {ctx_features.shape[-1]} channels, drafter expects "
-                             f"{self.config.num_context_features} = {len(self.config.target_layer_ids)} layers x "
-                             f"{self.config.hidden_size}")
+        self.check_context_features(ctx_features)
         x = ctx_features
         if self.feature_scale is not None:
             x = x.float() * self.feature_scale
         return self.hidden_norm(self.fc(x.to(self._dtype())))
+
+    def check_context_features(self, ctx_features: torch.Tensor) -> None:
+        if ctx_features.shape[-1] != self.config.num_context_features:
+            raise ValueError(f"context features have {ctx_features.shape[-1]} channels, drafter expects "
+                             f"{self.config.num_context_features} = {len(self.config.target_layer_ids)} layers x "
+                             f"{self.config.hidden_size}")
 
     def _context_kv(self, ctx_h, positions):
         cos, sin = self._rope(positions, ctx_h.dtype)

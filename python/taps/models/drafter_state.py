@@ -124,11 +124,12 @@ class DrafterInference:
             return state
         sl = self._rows(state, rows, R, "ctx_features")
         self._reserve(state, state.bound + T)
-        h = self.project_context(ctx_features)
         lengths = state.lengths[sl]
         if self.block_draft is not None:
-            self.block_draft.append_kv(state, sl, h)
+            self.check_context_features(ctx_features)
+            self.block_draft.append_context(state, sl, ctx_features)
         else:
+            h = self.project_context(ctx_features)
             pos = lengths[:, None] + torch.arange(T, device=h.device)
             c = self.config
             index = pos[:, None, :, None].expand(R, c.num_key_value_heads, T, c.head_dim)
