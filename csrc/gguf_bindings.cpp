@@ -7,7 +7,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -310,15 +309,7 @@ class GGUFModel {
           taps::rows_linear_tiles(xp, w32, nullptr, y, M, H, F, t0, t1);
         }
       });
-      // RMSNorm as the drafter's module computes it: x * rsqrt(mean(x^2) + eps), times the weight
-      const float* g = wn.data_ptr<float>();
-      for (int64_t r = 0; r < M; ++r) {
-        float* row = y + r * H;
-        float ss = 0.0f;
-        for (int64_t j = 0; j < H; ++j) ss += row[j] * row[j];
-        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-        for (int64_t j = 0; j < H; ++j) row[j] = g[j] * (row[j] * inv);
-      }
+      taps::gguf::rmsnorm_rows(y, wn.data_ptr<float>(), y, M, H, static_cast<float>(eps));
     }
     context_kv(h, prefix_lens, cache_rows, keys, values);
   }

@@ -420,5 +420,9 @@ void context_kv(const ModelWeights&, const float*, const ForwardBatch&, const Pa
 }
 #endif
 
+void rmsnorm_rows(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps) {
+  for (int64_t r = 0; r < M; ++r) rmsnorm_row(x + r * H, w, y + r * H, H, eps);
+}
+
 }  // namespace gguf
 }  // namespace taps

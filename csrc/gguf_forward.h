@@ -85,6 +85,9 @@ void forward(const ModelWeights& w, const ForwardBatch& batch, const ParallelFor
 // cache_rows[b]. Reads f.B, f.N, positions, prefix_lens, cache_rows, keys, values, cache_batch, capacity.
 void context_kv(const ModelWeights& w, const float* hidden, const ForwardBatch& batch, const ParallelFor& parallel);
 
+// RMSNorm of M rows of x [M, H] times w [H] into y (y may be x): the forward's own norm (AVX-512).
+void rmsnorm_rows(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps);
+
 // Dequantised rows of a packed matrix: out[i, :] = row ids[i] (exact float32 weights).
 void dequantize_packed_rows(const PackedMatrix& m, const int64_t* ids, int64_t n, float* out);
 
