@@ -325,16 +325,9 @@ class Runner:
         from taps.decode import make_policy
         from taps.decode.policies import policy_options
 
-        from taps.decode.policies.reach import ScorerReach
-        from taps.decode.policies.sizing import ThroughputSize
-
         # the TAPS family reads this run's scorer (and its top-K) and the table measured above
-        p = make_policy(spec, **({"scorer": self.scorer} if "scorer" in policy_options(spec) else {}))
-        if isinstance(getattr(p, "reach", None), ScorerReach):
-            p.reach.top_k = self.top_k
-        if isinstance(getattr(p, "size", None), ThroughputSize):
-            p.size.latency = self.latency
-        return p
+        mine = {"scorer": self.scorer, "top_k": self.top_k, "latency": self.latency}
+        return make_policy(spec, **{k: v for k, v in mine.items() if k in policy_options(spec)})
 
     @torch.inference_mode()
     def run(self, spec, target, drafter, prompts, max_new, batch, count=False):

@@ -123,4 +123,39 @@ inline void check_parent_range(const at::Tensor& parents, const std::string& nam
   }
 }
 
+struct TreeArgs {
+  at::Tensor parents, depth, num_nodes;
+  int64_t B, N;
+};
+
+// Checks tensors and the structure the walks index with (num_nodes range, parent < child); the full
+// check with the public op's messages is taps_kernels.layout.validate_tree.
+// ``depth`` may be undefined for ops that do not read it.
+inline TreeArgs check_tree(const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& num_nodes) {
+  check_arg(parents, "tree.parents", {at::kInt}, {-1, -1});
+  const int64_t B = parents.size(0), N = parents.size(1);
+  if (N < 1) throw py::value_error("tree.parents: expected at least one node, received shape " + shape_str(parents.sizes()));
+  check_count("tree.parents.shape[1]", N, 1);
+  if (depth.defined()) check_arg(depth, "tree.depth", {at::kInt}, {B, N});
+  check_arg(num_nodes, "tree.num_nodes", {at::kInt}, {B});
+  TreeArgs t{parents.contiguous(), depth.defined() ? depth.contiguous() : at::Tensor(), num_nodes.contiguous(), B, N};
+  const int32_t* nn = t.num_nodes.data_ptr<int32_t>();
+  const int32_t* p = t.parents.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    if (nn[b] < 1 || nn[b] > N) {
+      throw py::value_error("tree.num_nodes[" + std::to_string(b) + "]: expected a value in [1, " + std::to_string(N) +
+                            "], received " + std::to_string(nn[b]));
+    }
+    for (int64_t i = 1; i < nn[b]; ++i) {
+      const int32_t v = p[b * N + i];
+      if (v < 0 || v >= i) {
+        throw py::value_error("tree.parents[" + std::to_string(b) + "," + std::to_string(i) + "]: parent index " +
+                              std::to_string(v) + " is out of range or not smaller than the child's index; expected "
+                              "0 <= parent < " + std::to_string(i));
+      }
+    }
+  }
+  return t;
+}
+
 }  // namespace taps_bind

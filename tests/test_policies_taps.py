@@ -136,9 +136,12 @@ def test_missing_scorer_dir_is_named(tmp_path, models, monkeypatch):
 
 def test_policy_options_are_explicit():
     # The scorer and the pool size are arguments, not environment switches; policies refuse options they lack.
-    assert policy_options("taps:8") == ("scorer", "pool_size") and policy_options("ddtree:8") == ()
+    assert policy_options("taps:8") == ("scorer", "pool_size", "top_k", "latency") and policy_options("ddtree:8") == ()
     assert make_policy("taps-fixed:4", pool_size=40).draft.pool_size == 40
     assert make_policy("taps-fixed:4").draft.pool_size == 128
+    table = {"latency": [0.01, 0.012], "t0": 0.002}
+    given = make_policy("taps-lookup:8", top_k=5, latency=table)
+    assert given.reach.top_k == 5 and given.size.latency is table
     with pytest.raises(PolicyError, match="ddtree: unknown option.*scorer.*accepts: none"):
         make_policy("ddtree:8", scorer="x")
     with pytest.raises(PolicyError, match="unknown option.*pool_sizes"):

@@ -21,10 +21,11 @@ Triton kernel on a GPU, reference/C++ on CPU), then one of two selection rules:
 * ``taps-fixed:N``: exactly the top-``N`` nodes by reach, no latency table: TAPS at the same node
   budget as ``ddtree:N`` (the equal-budget tau comparison).
 
-Options (``make_policy("taps", scorer=..., pool_size=...)``; CLI ``--scorer`` and ``--pool-size``): the scorer
-directory (default: the shipped ``smollm2-taps-scorer``, ``-tiny`` for the tiny variant, found by
+Options (``make_policy("taps", scorer=..., pool_size=..., top_k=..., latency=...)``; CLI ``--scorer`` and
+``--pool-size``): the scorer directory (default: the shipped ``smollm2-taps-scorer``, ``-tiny`` for the tiny variant, found by
 :mod:`taps.paths`) and the pool size (default :data:`DEFAULT_POOL_SIZE`, chosen by measured CPU cost: the
-published 768-node pool would cost more to score on these CPUs than it could save).
+published 768-node pool would cost more to score on these CPUs than it could save); a harness may also hand in the
+pool's top-K and a latency table it measured itself.
 """
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ def taps_policy(max_nodes: int = DEFAULT_CAP, rule: str = "reach", pool_size: Op
                           gate=gate and rule == "reach")
 
 
-#: Keyword options every TAPS variant accepts in make_policy (the CLI's --scorer and --pool-size).
-OPTIONS = ("scorer", "pool_size")
+#: Keyword options every TAPS variant accepts in make_policy: the CLI's --scorer and --pool-size, and for harnesses
+#: that measure their own, the pool's top-K and the latency table (see :func:`taps_policy`).
+OPTIONS = ("scorer", "pool_size", "top_k", "latency")
 
 
 @register_policy("taps", "TAPS: throughput rule on scorer reach with the measured latency table and draft gating; "
