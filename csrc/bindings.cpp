@@ -25,6 +25,7 @@
 
 #include "bind_common.h"
 #include "pool_bindings.h"
+#include "round_bindings.h"
 #include "select_bindings.h"
 #include "gguf_bindings.h"
 #include "lookup_bindings.h"
@@ -350,4 +351,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("num_nodes"), py::arg("vocab_size") = -1);
   taps_bind::register_gguf(m);
   taps_bind::register_lookup(m);
+  taps_bind::register_round(m);
 }

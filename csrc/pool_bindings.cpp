@@ -3,6 +3,7 @@
 // memory safety needs; taps_kernels.ops checks the rest.
 #include "pool_bindings.h"
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -34,7 +35,7 @@ std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k
   at::Tensor vals = at::empty({B, D, K2}, x.options());
   at::Tensor ids = at::empty({B, D, K2}, x.options().dtype(at::kLong));
   at::Tensor entropy = at::empty({B, D}, x.options());
-  at::Tensor margin = at::zeros({B, D}, x.options());
+  at::Tensor margin = at::empty({B, D}, x.options());
   at::Tensor topk_mass = at::empty({B, D}, x.options());
   const float* xp = x.data_ptr<float>();
   float *vp = vals.data_ptr<float>(), *ep = entropy.data_ptr<float>(), *mp = margin.data_ptr<float>();
@@ -46,17 +47,9 @@ std::vector<at::Tensor> topk_stats(const at::Tensor& draft_logits, int64_t top_k
     at::parallel_for(0, B * D, 1, [&](int64_t begin, int64_t end) {
       thread_local taps::TopKStatsWorkspace ws;
       for (int64_t r = begin; r < end; ++r) {
-        float* v = vp + r * K2;
-        if (!taps::topk_stats_row(xp + r * V, V, K2, v, ip + r * K2, ep + r, ws)) {
+        if (!taps::position_stats(xp + r * V, V, K, K2, vp + r * K2, ip + r * K2, ep + r, mp + r, sp + r, ws)) {
           for (int64_t seen = first_bad.load(); r < seen && !first_bad.compare_exchange_weak(seen, r);) {}
-          continue;
         }
-        // the logits' own difference: the log-probs' shared lse cancels exactly
-        if (V > 1) mp[r] = xp[r * V + ip[r * K2]] - xp[r * V + ip[r * K2 + 1]];
-        if (std::isinf(mp[r])) mp[r] = 0.0f;  // no possible runner-up: 0, as for V = 1
-        double mass = 0.0;
-        for (int32_t k = 0; k < K; ++k) mass += std::exp(static_cast<double>(v[k]));
-        sp[r] = static_cast<float>(mass);
       }
     });
   }

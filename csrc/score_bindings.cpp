@@ -13,9 +13,9 @@ namespace py = pybind11;
 
 namespace taps_bind {
 
+// ------------------------------------------------------------------------------------------- score edges
 namespace {
 
-// ------------------------------------------------------------------------------------------- score edges
 template <typename T>
 void load_row_as_float(const taps::TokenTable& t, int64_t row, float* out) {
   const T* p = static_cast<const T*>(t.data) + row * t.row_stride;
@@ -26,17 +26,17 @@ void load_row_as_float(const taps::TokenTable& t, int64_t row, float* out) {
   }
 }
 
+}  // namespace
+
 // The ScorerWeights fields as the binding receives them (ScorerWeights.tensors(), float32): checked one
 // by one so that an error names the field; the contiguous copies are kept alive in `held`.
-struct ScorerArgs {
-  taps::ScorerNet net;
-  int64_t embed_dim = 0;  // E, the width token_proj_weight expects of token_embeddings
-  std::vector<at::Tensor> held;
-};
+namespace {
 
 const char* const kHeadFields[] = {"ln_weight", "ln_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"};
 const char* const kEmbeddingFields[] = {"token_proj_weight", "token_proj_bias", "depth_embedding",
                                         "hidden_proj_weight", "hidden_proj_bias"};
+
+}  // namespace
 
 ScorerArgs check_scorer(const std::map<std::string, at::Tensor>& w, double ln_eps) {
   for (const auto& kv : w) {
@@ -107,6 +107,24 @@ ScorerArgs check_scorer(const std::map<std::string, at::Tensor>& w, double ln_ep
   return s;
 }
 
+taps::TokenTable token_table(const at::Tensor& emb) {
+  // Strided reads instead of .contiguous(): a transposed or sliced table must not be copied whole.
+  taps::TokenTable table;
+  table.data = emb.data_ptr();
+  table.rows = emb.size(0);
+  table.width = emb.size(1);
+  table.row_stride = emb.stride(0);
+  table.col_stride = emb.stride(1);
+  switch (emb.scalar_type()) {
+    case at::kHalf: table.load_row = &load_row_as_float<at::Half>; break;
+    case at::kBFloat16: table.load_row = &load_row_as_float<at::BFloat16>; break;
+    default: table.load_row = &load_row_as_float<float>; break;
+  }
+  return table;
+}
+
+namespace {
+
 // Pool tensors as in CandidatePool (tree [B,N], logq/step_logq [B,N] f32, per-position stats [B,D] f32);
 // weights: ScorerWeights.tensors() as float32, or None for the marginal model.
 std::vector<at::Tensor> score_edges(const at::Tensor& tokens_in, const at::Tensor& parents_in, const at::Tensor& depth_in,
@@ -176,17 +194,7 @@ std::vector<at::Tensor> score_edges(const at::Tensor& tokens_in, const at::Tenso
                               std::to_string(V) + " rows");
       }
     }
-    // Strided reads instead of .contiguous(): a transposed or sliced table must not be copied whole.
-    table.data = emb.data_ptr();
-    table.rows = V;
-    table.width = E;
-    table.row_stride = emb.stride(0);
-    table.col_stride = emb.stride(1);
-    switch (emb.scalar_type()) {
-      case at::kHalf: table.load_row = &load_row_as_float<at::Half>; break;
-      case at::kBFloat16: table.load_row = &load_row_as_float<at::BFloat16>; break;
-      default: table.load_row = &load_row_as_float<float>; break;
-    }
+    table = token_table(emb);
     hidden = drafter_hidden->to(at::kFloat).contiguous();
   }
   py::gil_scoped_release no_gil;

@@ -17,6 +17,38 @@ namespace py = pybind11;
 
 namespace taps_bind {
 
+taps::ThroughputParams check_throughput_params(int64_t max_nodes, const at::Tensor& table, double plain_seconds,
+                                               int64_t rows, at::Tensor& table_f64) {
+  taps::ThroughputParams p;
+  p.max_nodes = check_count("max_nodes", max_nodes, 0);
+  check_arg(table, "table", {at::kDouble, at::kFloat}, {-1});
+  if (table.size(0) < 1) throw py::value_error("table: expected a non-empty 1-D table, received shape (0,)");
+  table_f64 = table.to(at::kDouble).contiguous();
+  p.table = table_f64.data_ptr<double>();
+  p.table_len = check_count("table.shape[0]", table_f64.size(0), 1);
+  for (int64_t n = 0; n < p.table_len; ++n) {
+    if (!std::isfinite(p.table[n])) {
+      throw py::value_error("table[" + std::to_string(n) + "]: expected finite seconds, received " +
+                            float_str(p.table[n]));
+    }
+  }
+  p.plain_seconds = check_real("plain_seconds", plain_seconds);
+  if (!(plain_seconds > 0)) {
+    throw py::value_error("plain_seconds: expected a float > 0.0, received " + float_str(plain_seconds));
+  }
+  p.rows = check_count("rows", rows, 1);
+  return p;
+}
+
+void run_throughput_rule(const at::Tensor& log_reach, const int32_t* num_nodes, const taps::ThroughputParams& params,
+                         int64_t* pool_index, int32_t* num_selected, float* expected) {
+  // torch's float64 exp, not libm's: the reference sums the reaches torch computes (tree_ops.h).
+  const at::Tensor reach = at::exp(log_reach.to(at::kDouble));
+  thread_local taps::ThroughputWorkspace ws;
+  taps::select_throughput_batch(log_reach.data_ptr<float>(), reach.data_ptr<double>(), num_nodes, log_reach.size(0),
+                                static_cast<int32_t>(log_reach.size(1)), params, pool_index, num_selected, expected, ws);
+}
+
 namespace {
 
 // --------------------------------------------------------------------------------------------- selection
@@ -131,33 +163,12 @@ ThroughputArgs check_throughput(const at::Tensor& parents, const at::Tensor& dep
       }
     }
   }
-  s.params.max_nodes = check_count("max_nodes", max_nodes, 0);
-  check_arg(table, "table", {at::kDouble, at::kFloat}, {-1});
-  if (table.size(0) < 1) throw py::value_error("table: expected a non-empty 1-D table, received shape (0,)");
-  s.table = table.to(at::kDouble).contiguous();
-  s.params.table = s.table.data_ptr<double>();
-  s.params.table_len = check_count("table.shape[0]", s.table.size(0), 1);
-  for (int64_t n = 0; n < s.params.table_len; ++n) {
-    if (!std::isfinite(s.params.table[n])) {
-      throw py::value_error("table[" + std::to_string(n) + "]: expected finite seconds, received " +
-                            float_str(s.params.table[n]));
-    }
-  }
-  s.params.plain_seconds = check_real("plain_seconds", plain_seconds);
-  if (!(plain_seconds > 0)) {
-    throw py::value_error("plain_seconds: expected a float > 0.0, received " + float_str(plain_seconds));
-  }
-  s.params.rows = check_count("rows", rows, 1);
+  s.params = check_throughput_params(max_nodes, table, plain_seconds, rows, s.table);
   return s;
 }
 
 void run_throughput(const ThroughputArgs& s, int64_t* pool_index, int32_t* num_selected, float* expected) {
-  // torch's float64 exp, not libm's: the reference sums the reaches torch computes (tree_ops.h).
-  const at::Tensor reach = at::exp(s.log_reach.to(at::kDouble));
-  thread_local taps::ThroughputWorkspace ws;
-  taps::select_throughput_batch(s.log_reach.data_ptr<float>(), reach.data_ptr<double>(),
-                                s.tree.num_nodes.data_ptr<int32_t>(), s.tree.B, static_cast<int32_t>(s.tree.N),
-                                s.params, pool_index, num_selected, expected, ws);
+  run_throughput_rule(s.log_reach, s.tree.num_nodes.data_ptr<int32_t>(), s.params, pool_index, num_selected, expected);
 }
 
 std::vector<at::Tensor> select_throughput(const at::Tensor& parents, const at::Tensor& depth,

@@ -201,4 +201,16 @@ bool topk_stats_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* 
   return topk_stats_row_scalar(x, V, K, vals, ids, entropy, ws);
 }
 
+bool position_stats(const float* x, int64_t V, int32_t K, int32_t K2, float* vals, int64_t* ids, float* entropy,
+                    float* margin, float* topk_mass, TopKStatsWorkspace& ws) {
+  if (!topk_stats_row(x, V, K2, vals, ids, entropy, ws)) return false;
+  // the logits' own difference: the log-probs' shared lse cancels exactly
+  *margin = V > 1 ? x[ids[0]] - x[ids[1]] : 0.0f;
+  if (std::isinf(*margin)) *margin = 0.0f;  // no possible runner-up: 0, as for V = 1
+  double mass = 0.0;
+  for (int32_t k = 0; k < K; ++k) mass += std::exp(static_cast<double>(vals[k]));
+  *topk_mass = static_cast<float>(mass);
+  return true;
+}
+
 }  // namespace taps

@@ -39,6 +39,13 @@ bool topk_stats_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* 
 bool topk_stats_row_scalar(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
                            TopKStatsWorkspace& ws);
 
+// One draft position's statistics as the pool and the scorer read them: topk_stats_row over K2 columns (K2 =
+// max(K, 2) capped at V: the margin needs a runner-up), margin = x[ids[0]] - x[ids[1]] (the logits' own difference;
+// 0 when V = 1 or not finite), topk_mass = the float64 sum of exp of the first K log-probs, rounded once.
+// Returns false as topk_stats_row.
+bool position_stats(const float* x, int64_t V, int32_t K, int32_t K2, float* vals, int64_t* ids, float* entropy,
+                    float* margin, float* topk_mass, TopKStatsWorkspace& ws);
+
 // Index of the largest entry of x [V] (V >= 1), the first among equal ones; a NaN counts as larger than any number
 // (the first NaN wins), as torch.argmax. The target's greedy token: ATen's last-dim argmax reads ~0.7 GB/s here,
 // this ~10x that.

@@ -99,6 +99,10 @@ PREFERENCES: Dict[str, Preference] = {
     "graft_chain": Preference(
         (), "torch ops with static shapes (one pass per chain token), no host synchronisation",
         cpu_why="one C++ walk per row instead of a dozen tensor ops per chain token"),
+    "build_tree": Preference(
+        (), "the reference chains torch ops with host reads; a GPU policy builds op by op with its kernels instead",
+        cpu_why="the pool, scorer, lookup graft and throughput rule in one C++ call through their own ops' routines "
+                "(same tree bit for bit), without ~1 ms of per-op Python a round"),
     # Few-row linear layers (taps_kernels.rows_linear). Measured on the 2-core AVX-512 CPU of this project
     # (bench/results/rows_linear_cpu.json, 1 thread): torch's linear runs BLAS sgemm, which from 2 rows on costs
     # about twice its 1-row sgemv although both only stream the weights (SmolLM2's LM head: 11.5 ms at 1 row,
@@ -313,6 +317,16 @@ def int8_reduce_range() -> bool:
     16-bit sums that can saturate at 8 bits; VNNI sums in 32 bits."""
     flags = cpu_flags()
     return not ("avx512_vnni" in flags or "avx_vnni" in flags)
+
+
+def builds_round_in_one_call(device) -> bool:
+    """Whether a policy with the throughput rule builds its rounds on ``device`` with :func:`taps_kernels.build_tree`
+    (one C++ call) rather than stage by stage through the public ops: where ``build_tree``'s default is ``cpp`` and
+    ``TAPS_BACKEND`` does not ask the stages for another backend (the Triton kernels under test, for instance)."""
+    env = os.environ.get("TAPS_BACKEND")
+    if env and env != "cpp":
+        return False
+    return resolve("build_tree", None, torch.device(device))[0] == "cpp"
 
 
 def pool_placement(pool_backend: Optional[str], device, pool_size: int) -> Tuple[str, torch.device]:

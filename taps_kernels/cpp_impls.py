@@ -135,3 +135,27 @@ def graft_chain_cpp(tree, log_reach: torch.Tensor, chain: torch.Tensor, chain_le
     tokens, parents, depth, num_nodes, reach, nodes = _C.graft_chain(
         tree.tokens, tree.parents, tree.depth, tree.num_nodes, log_reach, chain, chain_len, chain_log_reach)
     return Tree(tokens, parents, depth, num_nodes), reach, nodes
+
+
+@register("build_tree", "cpp")
+def build_tree_cpp(root_tokens, depth_cap, draft, scorer, token_embeddings, lookup, max_nodes: int,
+                   table: torch.Tensor, plain_seconds: float, rows: int):
+    """Arguments as :func:`taps_kernels.reference.build.build_tree_reference` -> ``(Selection, chain [B, 2+K] int64 or
+    None, {stage: seconds})``: the stages through the routines of their own ops, in one call."""
+    from .layout import Selection
+    from .ops.build import STAGES
+
+    weights = None if scorer is None or draft is None else {k: t.float() for k, t in scorer.tensors().items()}
+    eps = 1e-5 if scorer is None else float(scorer.ln_eps)
+    d = draft
+    out = _C.build_round(
+        root_tokens, depth_cap, None if d is None else d.logits, None if d is None else d.vocab_ids,
+        1 if d is None else d.top_k, 1 if d is None else d.pool_size, weights, eps, token_embeddings,
+        None if d is None else d.hidden, None if lookup is None else lookup.history,
+        None if lookup is None else lookup.lengths, 0 if lookup is None else lookup.num_tokens,
+        1 if lookup is None else lookup.max_ngram, None if lookup is None else lookup.log_q, max_nodes, table,
+        plain_seconds, rows)
+    (tokens, parents, depth, num_nodes, pool_index, num_selected, expected, chain), seconds = out
+    sel = Selection(Tree(tokens, parents, depth, num_nodes), pool_index, num_selected, expected)
+    return sel, (chain if lookup is not None else None), dict(zip(STAGES, seconds))
+

@@ -11,6 +11,7 @@ import importlib
 
 from . import reference as ref
 from ._registry import register
+from .reference.build import build_tree_reference
 from .reference.score import score_edges_reference
 
 register("topk_stats", "reference")(ref.topk_stats_reference)
@@ -29,6 +30,7 @@ register("score_edges", "reference")(score_edges_reference)
 register("rows_linear", "reference")(ref.rows_linear_reference)
 register("lookup_chain", "reference")(ref.lookup_chain_reference)
 register("graft_chain", "reference")(ref.graft_chain_reference)
+register("build_tree", "reference")(build_tree_reference)
 
 for _module in ("taps_kernels.cpp_impls", "taps_kernels.cuda_impls", "taps_kernels.triton"):
     try:

@@ -51,6 +51,7 @@ EXPECTED = {
     "lookup_chain": ("reference", "cpp"),
     "graft_chain": ("reference", "cpp"),
     "rows_linear": ("reference", "cpp"),
+    "build_tree": ("reference", "cpp"),
 }
 
 #: Per-call rules: ``(op, device, call context, default with every backend built)``.
@@ -291,4 +292,15 @@ def _public_calls():
         "tree_attention": lambda: tk.tree_attention(q, keys[0], values[0], bits, torch.tensor([2])),
         "tree_mask": lambda: tk.tree_mask(tree, torch.tensor([2])),
     }
+
+
+def test_rounds_are_built_in_one_call_only_where_build_tree_runs_cpp(monkeypatch):
+    monkeypatch.delenv("TAPS_BACKEND", raising=False)
+    cpp = bk.load_extension("_C")[0] is not None
+    assert bk.builds_round_in_one_call("cpu") is cpp
+    assert bk.builds_round_in_one_call("cuda") is False  # a GPU builds stage by stage with its kernels
+    monkeypatch.setenv("TAPS_BACKEND", "triton")  # the stages asked for another backend: through the ops
+    assert bk.builds_round_in_one_call("cpu") is False
+    monkeypatch.setenv("TAPS_BACKEND", "cpp")
+    assert bk.builds_round_in_one_call("cpu") is cpp
 

@@ -12,7 +12,8 @@ import torch
 
 import taps_kernels
 from taps.decode import SpeculativeDecoder, generate, make_policy, truncate_depth
-from taps.decode.policies import PolicyError, Stopwatch, TreePolicy, available_policies
+from taps.decode.policies import PolicyError, TreePolicy, available_policies
+from taps.decode.timing import StageTimer
 from taps.decode.policies.base import BuiltTree
 from taps_kernels import Tree
 
@@ -214,7 +215,7 @@ def test_policy_trees():
     tree = make_policy("dflash").build(logits, None, bonus).tree
     assert tree.tokens[0].tolist() == [7] + logits[0].argmax(-1).tolist()
     assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3] and tree.depth[0].tolist() == [0, 1, 2, 3, 4]
-    sw = Stopwatch()
+    sw = StageTimer()
     tree = make_policy("ddtree:6").build(logits, None, bonus, timer=sw).tree
     pool = taps_kernels.candidate_pool(logits, bonus, top_k=6, pool_size=6)
     assert torch.equal(tree.tokens, pool.tree.tokens) and torch.equal(tree.parents, pool.tree.parents)

@@ -7,7 +7,8 @@ import torch
 
 from taps.decode import SpeculativeDecoder, make_policy
 from taps.decode.policies import PolicyError, policy_options
-from taps.decode.policies import Stopwatch, available_policies
+from taps.decode.policies import available_policies
+from taps.decode.timing import StageTimer
 from taps.decode.policies.taps import taps_policy
 from taps.scoring.io import save_scorer
 from taps.decode.latency import save_table
@@ -79,7 +80,7 @@ def test_trees_within_budget_and_prefix_closed(env, models, spec):
         logits = torch.randn(1, 4, V, generator=g) * (1 + r)
         hidden = torch.randn(1, 4, HID, generator=g)
         bonus = int(torch.randint(0, V, (1,), generator=g))
-        sw = Stopwatch()
+        sw = StageTimer()
         tree = pol.build(logits, hidden, torch.tensor([bonus]), timer=sw).tree
         check_tree(tree, cap, bonus)
         if spec.startswith("taps-fixed"):

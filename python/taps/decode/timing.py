@@ -53,6 +53,10 @@ class StageTimer:
         else:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Add host seconds measured elsewhere (a C++ call that times its own stages; CPU rounds only)."""
+        self.times[name] = self.times.get(name, 0.0) + seconds
+
     def seconds(self) -> Dict[str, float]:
         """Seconds per stage. On CUDA call it after the round's read (or a synchronisation): it resolves
         the events once."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import pkgutil
-import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -164,30 +163,11 @@ class _NoTimer:
     def __call__(self, name):
         return contextlib.nullcontext()
 
+    def add(self, name, seconds):
+        pass
+
 
 NO_TIMER = _NoTimer()
-
-
-class Stopwatch:
-    """Accumulates host wall time per stage name: ``with sw("pool"): ...``; ``sw.times`` is the dict
-    (CPU only: a GPU stage needs :class:`taps.decode.timing.StageTimer`)."""
-
-    def __init__(self):
-        self.times: Dict[str, float] = {}
-        self._name = None
-        self._t = 0.0
-
-    def __call__(self, name: str) -> "Stopwatch":
-        self._name = name
-        return self
-
-    def __enter__(self):
-        self._t = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.times[self._name] = self.times.get(self._name, 0.0) + time.perf_counter() - self._t
-        return False
 
 
 # --- registry -----------------------------------------------------------------------------------------------------

@@ -15,13 +15,18 @@ drafted round. The registered recipes: ``taps*`` (:mod:`.taps`), ``ddtree-cost*`
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
 
+import taps_kernels
+from taps_kernels.backend import builds_round_in_one_call
+
 from ..latency import get_table
 from ..tree_ops import root_only_tree
-from .base import NO_TIMER, TreePolicy
+from ..tree_ops import IN_ROUND
+from .base import NO_TIMER, BuiltTree, TreePolicy
 from .gate import DraftGate
 from .reach import MarginalReach
 from .sizing import ThroughputSize
@@ -110,6 +115,12 @@ class ComposedPolicy(TreePolicy):
         if not self._bound:
             raise RuntimeError(f"policy {self.name}: bind() was not called (the decoder calls it)")
         timer = timer or NO_TIMER
+        if isinstance(self.size, ThroughputSize) and builds_round_in_one_call(bonus.device):
+            return self._build_in_one_call(draft_logits, draft_hidden, bonus, depth_cap, timer, rows, history)
+        return self._build_by_parts(draft_logits, draft_hidden, bonus, depth_cap, timer, rows, history)
+
+    def _build_by_parts(self, draft_logits, draft_hidden, bonus, depth_cap, timer, rows, history) -> BuiltTree:
+        """Each stage through its part's op (any device, any size rule)."""
         if draft_logits is None:  # an undrafted round of a policy that proposes without the drafter
             tree = root_only_tree(bonus)
             log_reach = torch.zeros(tree.tokens.shape, dtype=torch.float32, device=bonus.device)
@@ -125,4 +136,28 @@ class ComposedPolicy(TreePolicy):
             sel, built = self.size.select(tree, log_reach, depth_cap, rows)
             if graft is not None:
                 built.aux = self.lookup.aux(graft, sel)
+        return built
+
+    def _build_in_one_call(self, draft_logits, draft_hidden, bonus, depth_cap, timer, rows, history) -> BuiltTree:
+        """The throughput rule's round on a CPU: :func:`taps_kernels.build_tree` runs the stages of
+        :meth:`_build_by_parts` (same tree, bit for bit) in one C++ call. Its stage times are the call's own; the Python around it
+        counts as selection."""
+        start = time.perf_counter()
+        scorer = getattr(self.reach, "weights", None)
+        draft = None
+        if draft_logits is not None:
+            full = scorer is not None and scorer.full
+            draft = self.draft.proposal(draft_logits, draft_hidden if full else None, self.vocab_ids,
+                                        self.reach.top_k)
+        lookup = None if self.lookup is None else self.lookup.proposal(self.name, history)
+        rows = bonus.shape[0] if rows is None else rows
+        rule = taps_kernels.ThroughputRule(self.size.batch_table(rows), self.size.plain_seconds(rows), rows)
+        out = taps_kernels.build_tree(bonus, self.size.max_nodes, rule, draft, scorer if draft is not None else None,
+                                      getattr(self.reach, "emb", None), lookup, depth_cap, validate=IN_ROUND)
+        sel = out.selection
+        built = BuiltTree(sel.tree, sel.expected, sel.num_selected.long(), aux=out.chain)
+        for stage, seconds in out.seconds.items():
+            if seconds:
+                timer.add(stage, seconds)
+        timer.add("selection", time.perf_counter() - start - sum(out.seconds.values()))
         return built

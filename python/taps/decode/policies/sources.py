@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 import taps_kernels
-from taps_kernels import CandidatePool, Selection, Tree, graft_chain, lookup_chain
+from taps_kernels import CandidatePool, DraftProposal, LookupProposal, Selection, Tree, graft_chain, lookup_chain
 from taps_kernels.ops.lookup import DEFAULT_MAX_NGRAM
 
 from ..token_history import accepted_prefix
@@ -65,6 +65,14 @@ class DraftPool:
                                            top_k=min(k, draft_logits.shape[-1]), pool_size=self.pool_size)
 
 
+    def proposal(self, draft_logits: torch.Tensor, draft_hidden: Optional[torch.Tensor],
+                 vocab_ids: Optional[torch.Tensor], top_k: Optional[int] = None) -> DraftProposal:
+        """This round's draft as :func:`taps_kernels.build_tree` takes it (arguments as :meth:`build`)."""
+        k = self.top_k or top_k or DEFAULT_TOP_K
+        hidden = None if draft_hidden is None else draft_hidden.float()
+        return DraftProposal(draft_logits.float(), min(k, draft_logits.shape[-1]), self.pool_size, hidden, vocab_ids)
+
+
 class ChainAcceptance:
     """Per match length ``n``, the rate ``q_n`` at which the target accepts the next chain token (a geometric
     model of how far a chain holds), from decayed counts that start at ``prior``: a verified chain whose first
@@ -83,15 +91,17 @@ class ChainAcceptance:
         s, f = self.success[ngram], self.failure[ngram]
         return s / (s + f) if s + f > 0 else 0.0
 
+    def log_rates(self, device=None) -> torch.Tensor:
+        """``[max_ngram + 1] float32``: ``log q_n`` per match length (entry 0, no match: 0; ``-inf`` once the decayed
+        successes underflow: reach 0, never worth a node)."""
+        rates = [self.rate(n) for n in range(1, len(self.success))]
+        return torch.tensor([0.0] + [math.log(q) if q > 0 else float("-inf") for q in rates], dtype=torch.float32,
+                            device=device)
+
     def log_reach(self, ngram: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """``[B, K] float32`` chain log reach ``(k + 1) * log q_n`` of rows whose match length is ``ngram [B]``
-        (host floats enter as kernel scalars: nothing is copied to the device)."""
-        log_q = torch.zeros(ngram.shape, dtype=torch.float32, device=ngram.device)
-        for n in range(1, len(self.success)):
-            q = self.rate(n)  # 0 once the decayed successes underflow: reach 0, never worth a node
-            log_q = log_q.masked_fill(ngram == n, math.log(q) if q > 0 else float("-inf"))
+        """``[B, K] float32`` chain log reach ``(k + 1) * log q_n`` of rows whose match length is ``ngram [B]``."""
         depth = torch.arange(1, num_tokens + 1, dtype=torch.float32, device=ngram.device)
-        return log_q[:, None] * depth[None, :]
+        return self.log_rates(ngram.device)[ngram][:, None] * depth[None, :]
 
 
 def check_lookup_args(name: str, num_tokens: int, max_ngram: int) -> None:
@@ -142,6 +152,11 @@ class LookupChain:
         tree, log_reach, nodes = graft_chain(tree, log_reach, chain, chain_len,
                                              self.acceptance.log_reach(ngram, self.num_tokens), validate=IN_ROUND)
         return tree, log_reach, Graft(ngram, nodes, chain)
+
+    def proposal(self, name: str, history) -> LookupProposal:
+        """This round's lookup as :func:`taps_kernels.build_tree` takes it (``history`` as in :meth:`graft`)."""
+        tokens, lengths = history_of(name, history)
+        return LookupProposal(tokens, lengths, self.num_tokens, self.max_ngram, self.acceptance.log_rates(tokens.device))
 
     @staticmethod
     def aux(graft: Graft, sel: Selection) -> torch.Tensor:
