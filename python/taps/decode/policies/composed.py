@@ -24,8 +24,7 @@ import taps_kernels
 from taps_kernels.backend import builds_round_in_one_call
 
 from ..latency import get_table
-from ..tree_ops import root_only_tree
-from ..tree_ops import IN_ROUND
+from ..tree_ops import IN_ROUND, root_only_tree
 from .base import NO_TIMER, BuiltTree, TreePolicy
 from .gate import DraftGate
 from .reach import MarginalReach
@@ -140,8 +139,8 @@ class ComposedPolicy(TreePolicy):
 
     def _build_in_one_call(self, draft_logits, draft_hidden, bonus, depth_cap, timer, rows, history) -> BuiltTree:
         """The throughput rule's round on a CPU: :func:`taps_kernels.build_tree` runs the stages of
-        :meth:`_build_by_parts` (same tree, bit for bit) in one C++ call. Its stage times are the call's own; the Python around it
-        counts as selection."""
+        :meth:`_build_by_parts` (same tree, bit for bit) in one C++ call. Its stage times are the call's own; the
+        Python around it counts as selection."""
         start = time.perf_counter()
         scorer = getattr(self.reach, "weights", None)
         draft = None

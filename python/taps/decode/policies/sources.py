@@ -64,7 +64,6 @@ class DraftPool:
         return taps_kernels.candidate_pool(draft_logits.float(), bonus.long(), validate=IN_ROUND, vocab_ids=vocab_ids,
                                            top_k=min(k, draft_logits.shape[-1]), pool_size=self.pool_size)
 
-
     def proposal(self, draft_logits: torch.Tensor, draft_hidden: Optional[torch.Tensor],
                  vocab_ids: Optional[torch.Tensor], top_k: Optional[int] = None) -> DraftProposal:
         """This round's draft as :func:`taps_kernels.build_tree` takes it (arguments as :meth:`build`)."""
@@ -91,17 +90,20 @@ class ChainAcceptance:
         s, f = self.success[ngram], self.failure[ngram]
         return s / (s + f) if s + f > 0 else 0.0
 
-    def log_rates(self, device=None) -> torch.Tensor:
-        """``[max_ngram + 1] float32``: ``log q_n`` per match length (entry 0, no match: 0; ``-inf`` once the decayed
+    def log_rates(self) -> List[float]:
+        """``log q_n`` per match length ``n = 0 .. max_ngram`` (``n = 0``, no match: 0; ``-inf`` once the decayed
         successes underflow: reach 0, never worth a node)."""
         rates = [self.rate(n) for n in range(1, len(self.success))]
-        return torch.tensor([0.0] + [math.log(q) if q > 0 else float("-inf") for q in rates], dtype=torch.float32,
-                            device=device)
+        return [0.0] + [math.log(q) if q > 0 else float("-inf") for q in rates]
 
     def log_reach(self, ngram: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """``[B, K] float32`` chain log reach ``(k + 1) * log q_n`` of rows whose match length is ``ngram [B]``."""
+        """``[B, K] float32`` chain log reach ``(k + 1) * log q_n`` of rows whose match length is ``ngram [B]``
+        (host floats enter as kernel scalars: nothing is copied to the device)."""
+        log_q = torch.zeros(ngram.shape, dtype=torch.float32, device=ngram.device)
+        for n, lq in enumerate(self.log_rates()[1:], 1):
+            log_q = log_q.masked_fill(ngram == n, lq)
         depth = torch.arange(1, num_tokens + 1, dtype=torch.float32, device=ngram.device)
-        return self.log_rates(ngram.device)[ngram][:, None] * depth[None, :]
+        return log_q[:, None] * depth[None, :]
 
 
 def check_lookup_args(name: str, num_tokens: int, max_ngram: int) -> None:
@@ -156,7 +158,8 @@ class LookupChain:
     def proposal(self, name: str, history) -> LookupProposal:
         """This round's lookup as :func:`taps_kernels.build_tree` takes it (``history`` as in :meth:`graft`)."""
         tokens, lengths = history_of(name, history)
-        return LookupProposal(tokens, lengths, self.num_tokens, self.max_ngram, self.acceptance.log_rates(tokens.device))
+        log_q = torch.tensor(self.acceptance.log_rates(), dtype=torch.float32, device=tokens.device)
+        return LookupProposal(tokens, lengths, self.num_tokens, self.max_ngram, log_q)
 
     @staticmethod
     def aux(graft: Graft, sel: Selection) -> torch.Tensor:
