@@ -153,3 +153,31 @@ def test_one_host_read_per_round(counter, spec, inject):
         assert counter.count == 2 * rounds, counter.where  # the hook's read is caught every round
     else:
         assert all("tolist" in w and "readout.py" in w for w in counter.where), counter.where
+
+
+@pytest.mark.parametrize("spec", ["ddtree:8", "taps-lookup"])
+def test_a_round_builds_no_tensor_from_host_values(monkeypatch, spec):
+    """Between its first op and its read a round copies nothing from the host: on a GPU ``torch.tensor(list,
+    device=cuda)`` is a pageable copy that waits for the device. Which rows run lives on the device, set
+    between rounds. (The throughput rule's latency table goes to the device once per batch size and stays
+    cached: the first round warms it, the rows stay the same after.)"""
+    monkeypatch.setenv("TAPS_BACKEND", "triton")
+    target, drafter = tiny_target(0, vocab=V, layers=4), tiny_drafter(0, vocab=V, target_layers=4)
+    policy = make(spec)
+    dec = BatchDecoder(target, policy, drafter=drafter, max_batch=3, attention="taps_tree")
+    for p in ([5, 9, 2, 44, 17, 3], [8, 1]):
+        dec.submit(p, 40)
+    dec.admit()
+    dec.step()
+    made = []
+    real = torch.tensor
+
+    def tensor(*args, **kwargs):
+        stack = traceback.extract_stack()[:-1]
+        made.extend(f"{f.filename}:{f.lineno}" for f in stack[-1:] if "/taps/decode/" in f.filename.replace(os.sep, "/"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    for _ in range(3):
+        dec.step()
+    assert made == [], made

@@ -180,6 +180,8 @@ class BatchDecoder:
         self._pending_stats = None
         self._bonus = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         self._remaining = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        # which rows run, on the device: set between rounds, so a round copies nothing from the host
+        self._active = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
         self.round_hook = None  # test seam: called inside every round after verify
         self.reset()
 
@@ -199,6 +201,7 @@ class BatchDecoder:
         self._pending = root_only_tree(torch.zeros(self.max_batch, dtype=torch.int64, device=self.device))
         self._pending_nodes = [1] * self.max_batch  # host: real nodes of each row's pending tree
         self._remaining.zero_()
+        self._active.zero_()
         self.policy.reset()
 
     def _validate(self, index: int, req: Request):
@@ -286,6 +289,7 @@ class BatchDecoder:
         if self._history is not None:
             self._history.set_row(b, prompt + [first])
         self._rows[b] = row
+        self._active[b] = True
         self._bonus[b] = first
         self._remaining[b] = row.remaining
         if row.stop_reason is not None:
@@ -321,6 +325,7 @@ class BatchDecoder:
         row.stats.total_s = time.perf_counter() - row.t_start
         self._results[row.rid] = GenerationResult(list(row.generated), row.stop_reason, row.stats)
         self._rows[b] = None
+        self._active[b] = False
         self.verifier.reset_row(b)
         if self.drafter is not None:
             self.drafter.reset_row(self._state, b)
@@ -398,7 +403,7 @@ class BatchDecoder:
         timer = StageTimer(dev, self.profile)
         clock = RoundClock(dev)
         clock.start()
-        active = torch.tensor([r is not None for r in rows], dtype=torch.bool, device=dev)
+        active = self._active[:B]
         tree = slice_tree(Tree(*(t[:B] for t in (self._pending.tokens, self._pending.parents, self._pending.depth,
                                                    self._pending.num_nodes))), width)
         # chains (a root alone, DFlash's argmax chain) need neither a tree mask on the sdpa path nor moves
