@@ -146,15 +146,16 @@ Proposal root_proposal(const at::Tensor& roots) {
 //      num_selected [B] i32, expected [B] f32, chain [B, 2+K] i64 (match length, chain nodes kept, the chain;
 //      [B,0] without lookup)], [seconds of pool, scoring, lookup, selection]), M = max_nodes + 1. The seconds are
 //      host floats, not a tensor: reading them back is no device read.
-std::pair<std::vector<at::Tensor>, std::vector<double>> build_round(const at::Tensor& root_tokens, const std::optional<at::Tensor>& depth_cap,
-                                    const std::optional<at::Tensor>& draft_logits,
-                                    const std::optional<at::Tensor>& vocab_ids, int64_t top_k, int64_t pool_size,
-                                    const std::optional<std::map<std::string, at::Tensor>>& weights, double ln_eps,
-                                    const std::optional<at::Tensor>& token_embeddings,
-                                    const std::optional<at::Tensor>& drafter_hidden,
-                                    const std::optional<at::Tensor>& history, const std::optional<at::Tensor>& lengths,
-                                    int64_t num_tokens, int64_t max_ngram, const std::optional<at::Tensor>& log_q,
-                                    int64_t max_nodes, const at::Tensor& table, double plain_seconds, int64_t rows) {
+using RoundOut = std::pair<std::vector<at::Tensor>, std::vector<double>>;
+
+RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tensor>& depth_cap,
+                     const std::optional<at::Tensor>& draft_logits, const std::optional<at::Tensor>& vocab_ids,
+                     int64_t top_k, int64_t pool_size, const std::optional<std::map<std::string, at::Tensor>>& weights,
+                     double ln_eps, const std::optional<at::Tensor>& token_embeddings,
+                     const std::optional<at::Tensor>& drafter_hidden, const std::optional<at::Tensor>& history,
+                     const std::optional<at::Tensor>& lengths, int64_t num_tokens, int64_t max_ngram,
+                     const std::optional<at::Tensor>& log_q, int64_t max_nodes, const at::Tensor& table,
+                     double plain_seconds, int64_t rows) {
   check_arg(root_tokens, "root_tokens", {at::kLong}, {-1});
   const int64_t B = root_tokens.size(0);
   if (B < 1) throw py::value_error("root_tokens: expected at least one row, received shape (0,)");
@@ -199,7 +200,8 @@ std::pair<std::vector<at::Tensor>, std::vector<double>> build_round(const at::Te
         if (!token_embeddings.has_value() || !token_embeddings->defined()) {
           throw py::type_error("token_embeddings: the full scorer needs a [V, E] tensor, received None");
         }
-        check_arg(*token_embeddings, "token_embeddings", {at::kFloat, at::kHalf, at::kBFloat16}, {-1, scorer->embed_dim});
+        check_arg(*token_embeddings, "token_embeddings", {at::kFloat, at::kHalf, at::kBFloat16},
+                  {-1, scorer->embed_dim});
         if (!drafter_hidden.has_value() || !drafter_hidden->defined()) {
           throw py::type_error("drafter_hidden: the full scorer needs a [B, D, H] tensor, received None");
         }
@@ -216,7 +218,9 @@ std::pair<std::vector<at::Tensor>, std::vector<double>> build_round(const at::Te
   if (lookup) {
     check_arg(*history, "history", {at::kLong}, {B, -1});
     hist = history->contiguous();
-    if (!lengths.has_value() || !lengths->defined()) throw py::type_error("lengths: expected [B] int64, received None");
+    if (!lengths.has_value() || !lengths->defined()) {
+      throw py::type_error("lengths: expected [B] int64, received None");
+    }
     check_arg(*lengths, "lengths", {at::kLong}, {B});
     lens = lengths->contiguous();
     const int64_t* ln = lens.data_ptr<int64_t>();
@@ -229,15 +233,18 @@ std::pair<std::vector<at::Tensor>, std::vector<double>> build_round(const at::Te
     }
     check_count("num_tokens", num_tokens, 0);
     check_count("max_ngram", max_ngram, 1);
-    if (!log_q.has_value() || !log_q->defined()) throw py::type_error("log_q: expected [max_ngram + 1] float32, received None");
+    if (!log_q.has_value() || !log_q->defined()) {
+      throw py::type_error("log_q: expected [max_ngram + 1] float32, received None");
+    }
     check_arg(*log_q, "log_q", {at::kFloat}, {max_ngram + 1});
     logq_n = log_q->contiguous();
   }
 
   py::gil_scoped_release no_gil;
   double seconds[4] = {0.0, 0.0, 0.0, 0.0};  // pool, scoring, lookup, selection
-  Proposal p = drafted ? draft_proposal(logits, vids, roots, static_cast<int32_t>(top_k), static_cast<int32_t>(pool_size),
-                                        scorer ? &*scorer : nullptr, &emb_table, hidden, &seconds[0], &seconds[1])
+  Proposal p = drafted ? draft_proposal(logits, vids, roots, static_cast<int32_t>(top_k),
+                                        static_cast<int32_t>(pool_size), scorer ? &*scorer : nullptr, &emb_table,
+                                        hidden, &seconds[0], &seconds[1])
                        : root_proposal(roots);
   Clock::time_point t = Clock::now();
   const int64_t K = lookup ? num_tokens : 0;

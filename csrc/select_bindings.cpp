@@ -46,7 +46,8 @@ void run_throughput_rule(const at::Tensor& log_reach, const int32_t* num_nodes, 
   const at::Tensor reach = at::exp(log_reach.to(at::kDouble));
   thread_local taps::ThroughputWorkspace ws;
   taps::select_throughput_batch(log_reach.data_ptr<float>(), reach.data_ptr<double>(), num_nodes, log_reach.size(0),
-                                static_cast<int32_t>(log_reach.size(1)), params, pool_index, num_selected, expected, ws);
+                                static_cast<int32_t>(log_reach.size(1)), params, pool_index, num_selected, expected,
+                                ws);
 }
 
 namespace {

@@ -164,7 +164,8 @@ def test_composed_policy_builds_the_same_tree_in_one_call(spec):
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda kw, roots: kw.update(draft=DraftProposal(kw["draft"].logits.double(), 4, 10)), "draft.logits: expected dtype float32"),
+    (lambda kw, roots: kw.update(draft=DraftProposal(kw["draft"].logits.double(), 4, 10)),
+     "draft.logits: expected dtype float32"),
     (lambda kw, roots: kw.update(draft=DraftProposal(kw["draft"].logits[:1], 4, 10)), "draft.logits: expected 3 rows"),
     (lambda kw, roots: kw.update(depth_cap=torch.zeros(2, dtype=torch.int64)), r"depth_cap: expected shape \(3,\)"),
     (lambda kw, roots: kw.update(lookup=LookupProposal(kw["lookup"].history, kw["lookup"].lengths, 6, 3,

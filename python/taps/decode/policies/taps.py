@@ -22,10 +22,10 @@ Triton kernel on a GPU, reference/C++ on CPU), then one of two selection rules:
   budget as ``ddtree:N`` (the equal-budget tau comparison).
 
 Options (``make_policy("taps", scorer=..., pool_size=..., top_k=..., latency=...)``; CLI ``--scorer`` and
-``--pool-size``): the scorer directory (default: the shipped ``smollm2-taps-scorer``, ``-tiny`` for the tiny variant, found by
-:mod:`taps.paths`) and the pool size (default :data:`DEFAULT_POOL_SIZE`, chosen by measured CPU cost: the
-published 768-node pool would cost more to score on these CPUs than it could save); a harness may also hand in the
-pool's top-K and a latency table it measured itself.
+``--pool-size``): the scorer directory (default: the shipped ``smollm2-taps-scorer``, ``-tiny`` for the tiny
+variant, found by :mod:`taps.paths`) and the pool size (default :data:`DEFAULT_POOL_SIZE`, chosen by measured CPU
+cost: the published 768-node pool would cost more to score on these CPUs than it could save); a harness may also
+hand in the pool's top-K and a latency table it measured itself.
 """
 from __future__ import annotations
 
