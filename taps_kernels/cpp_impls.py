@@ -101,6 +101,11 @@ def compact_kv_cpp(keys: List[torch.Tensor], values: List[torch.Tensor], prefix_
     return _C.compact_kv(list(keys), list(values), prefix_lens, path)
 
 
+def _scorer_fields(weights):
+    """ScorerWeights as the bindings take them: ``{field: float32 tensor}``, or None for the marginal model."""
+    return None if weights is None else {k: t.float() for k, t in weights.tensors().items()}
+
+
 @register("score_edges", "cpp")
 def score_edges_cpp(pool, weights, token_embeddings: Optional[torch.Tensor] = None,
                     drafter_hidden: Optional[torch.Tensor] = None):
@@ -110,7 +115,7 @@ def score_edges_cpp(pool, weights, token_embeddings: Optional[torch.Tensor] = No
     (only the pool's rows are read), ``drafter_hidden [B,D,H]`` float (both full scorer only) ->
     ``(edge_logq, other_logq, log_reach)``, each ``[B,N] f32``."""
     tree = pool.tree
-    tensors = None if weights is None else {k: t.float() for k, t in weights.tensors().items()}
+    tensors = _scorer_fields(weights)
     eps = 1e-5 if weights is None else float(weights.ln_eps)
     return tuple(_C.score_edges(tree.tokens, tree.parents, tree.depth, pool.logq, pool.step_logq, pool.entropy,
                                 pool.margin, pool.topk_mass, tensors, eps, token_embeddings, drafter_hidden))
@@ -145,7 +150,7 @@ def build_tree_cpp(root_tokens, depth_cap, draft, scorer, token_embeddings, look
     from .layout import Selection
     from .ops.build import STAGES
 
-    weights = None if scorer is None or draft is None else {k: t.float() for k, t in scorer.tensors().items()}
+    weights = None if draft is None else _scorer_fields(scorer)
     eps = 1e-5 if scorer is None else float(scorer.ln_eps)
     d = draft
     out = _C.build_round(

@@ -14,11 +14,12 @@ from typing import Dict, Optional
 
 import torch
 
-from .._checks import (check_data_device, check_float, check_int, check_tensor, first_index, values_checked)
+from .._checks import check_data_device, check_float, check_int, check_tensor, values_checked
 from ..backend import resolve
 from ..layout import Selection
 from ..scorer_weights import ScorerWeights
-from .pool import _check_vocab_ids
+from .lookup import check_length_values
+from .pool import _check_vocab_ids, check_root_values
 from .select import ThroughputRule
 
 #: Stage names of :attr:`BuiltRound.seconds`, in order.
@@ -169,16 +170,7 @@ def _check_lookup(lookup: LookupProposal, B: int, dev: torch.device) -> None:
 
 
 def _check_values(root_tokens: torch.Tensor, draft: Optional[DraftProposal], lookup: Optional[LookupProposal]) -> None:
-    bad = root_tokens < 0
-    if draft is not None and draft.vocab_ids is None:
-        bad |= root_tokens >= draft.logits.shape[2]
-    if bool(bad.any()):
-        (b,) = first_index(bad)
-        raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is outside the vocabulary")
+    token_columns = draft is not None and draft.vocab_ids is None
+    check_root_values(root_tokens, draft.logits.shape[2] if token_columns else None)
     if lookup is not None:
-        C = lookup.history.shape[1]
-        bad = (lookup.lengths < 0) | (lookup.lengths > C)
-        if bool(bad.any()):
-            (b,) = first_index(bad)
-            raise ValueError(f"lookup.lengths[{b}]: expected a history length in [0, {C}], received "
-                             f"{int(lookup.lengths[b])}")
+        check_length_values(lookup.lengths, lookup.history.shape[1], "lookup.lengths")

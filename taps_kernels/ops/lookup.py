@@ -14,6 +14,15 @@ from ..layout import Tree, validate_tree
 DEFAULT_MAX_NGRAM = 3
 
 
+def check_length_values(lengths: torch.Tensor, C: int, name: str = "lengths") -> None:
+    """Every history length is in ``[0, C]`` (``C`` columns of tokens)."""
+    bad = (lengths < 0) | (lengths > C)
+    if bool(bad.any()):
+        b = first_index(bad)[0]
+        raise ValueError(f"{name}[{b}]: expected a history length in [0, {C}] (the history has {C} columns), "
+                         f"received {int(lengths[b])}")
+
+
 def lookup_chain(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM,
                  backend: Optional[str] = None, validate: Optional[str] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,11 +50,7 @@ def lookup_chain(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: int, m
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     max_ngram = check_int("max_ngram", max_ngram, minimum=1)
     if values_checked(validate, dev) and B:
-        bad = (lengths < 0) | (lengths > C)
-        if bool(bad.any()):
-            b = first_index(bad)[0]
-            raise ValueError(f"lengths[{b}]: expected a history length in [0, {C}] (tokens has {C} columns), "
-                             f"received {int(lengths[b])}")
+        check_length_values(lengths, C)
     _, fn = resolve("lookup_chain", backend, dev)
     return fn(tokens, lengths, num_tokens, max_ngram)
 

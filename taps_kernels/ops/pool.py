@@ -19,6 +19,18 @@ def _check_logits(draft_logits: torch.Tensor) -> None:
     check_nonempty("draft_logits", draft_logits, [(0, "batch row"), (1, "draft position"), (2, "vocabulary entry")])
 
 
+def check_root_values(root_tokens: torch.Tensor, V: Optional[int]) -> None:
+    """Root tokens are token ids ``>= 0``, and ``< V`` where the logits' columns are the token ids (``V`` None: a
+    reduced vocabulary maps them, or there are no logits)."""
+    bad = root_tokens < 0
+    if V is not None:
+        bad |= root_tokens >= V
+    if bool(bad.any()):
+        (b,) = first_index(bad)
+        where = f"outside the vocabulary [0, {V})" if V is not None else "negative (expected a token id >= 0)"
+        raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is {where}")
+
+
 def _check_vocab_ids(vocab_ids: torch.Tensor, draft_logits: torch.Tensor, validate: Optional[str]) -> None:
     V = draft_logits.shape[2]
     check_tensor("vocab_ids", vocab_ids, dtypes=(torch.int64,), shape=(V,), device=draft_logits.device)
@@ -227,13 +239,7 @@ def candidate_pool(draft_logits: torch.Tensor, root_tokens: torch.Tensor, top_k:
     check_no_grad("candidate_pool", [("draft_logits", draft_logits)])
     V = draft_logits.shape[2]
     if values_checked(validate, draft_logits.device):
-        bad = root_tokens < 0
-        if vocab_ids is None:
-            bad |= root_tokens >= V
-        if bool(bad.any()):
-            (b,) = first_index(bad)
-            where = f"outside the vocabulary [0, {V})" if vocab_ids is None else "negative (expected a token id >= 0)"
-            raise ValueError(f"root_tokens[{b}]: token {int(root_tokens[b])} is {where}")
+        check_root_values(root_tokens, V if vocab_ids is None else None)
     if vocab_ids is not None:
         _check_vocab_ids(vocab_ids, draft_logits, validate)
     # The two ops straight after this op's own checks (the public topk_stats / best_first_pool would repeat them,
