@@ -363,7 +363,8 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
     drafter_path = portable_path(drafter["path"]) if drafter.get("path") else None
     scorer = portable_path(cfg["scorer"]) if cfg.get("scorer") else None
     command = "\n".join(portable_command(shlex.split(c)) for c in str(cfg.get("command", "")).splitlines())
-    L = [f"# TAPS benchmark: {cfg.get('target')} on {cfg.get('device')} ({cfg.get('threads')} threads)", "",
+    cpu = f"{cfg['cpu']}, " if cfg.get("cpu") else ""
+    L = [f"# TAPS benchmark: {cfg.get('target')} on {cfg.get('device')} ({cpu}{cfg.get('threads')} threads)", "",
          f"**{coverage(data['runs'])}; {cfg.get('max_new_tokens')} new tokens per turn**", "",
          "Commands:", "", "```", command,
          "```", "",
