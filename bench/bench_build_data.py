@@ -95,13 +95,13 @@ def main(argv=None):
                      "prompt_tokens": sum(map(len, prompts))})
         print(json.dumps(rows[-1]), flush=True)
     res = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
-           "vnni": bool(_C.gguf_vnni_available()), "new_tokens": args.new_tokens, "topk": args.topk,
+           "kernel_path": _C.gguf_kernel_path(), "new_tokens": args.new_tokens, "topk": args.topk,
            "feature_layers": layer_ids, "distinct_prompts": len(distinct),
            "prompt_lengths": [len(p) for p in distinct], "load_average_before": [round(x, 2) for x in load0],
            "load_average_after": [round(x, 2) for x in os.getloadavg()],
            "seconds_total": round(time.time() - t_start, 1), "rows": rows}
     by = {(r["generator"], r["batch"]): r for r in rows}
-    print(f"\n# {res['cpu']}, {args.threads} thread(s), VNNI {res['vnni']}, {args.new_tokens} new tokens per row, "
+    print(f"\n# {res['cpu']}, {args.threads} thread(s), {res['kernel_path']} kernels, {args.new_tokens} new tokens per row, "
           f"top-{args.topk}, {len(layer_ids)} feature layers; load average {res['load_average_before'][0]:.1f} "
           f"before, {res['load_average_after'][0]:.1f} after")
     print(f"{'batch':>5} {'fp32 tok/s':>10} {'gguf tok/s':>10} {'x fp32':>7} {'gguf decode tok/s':>17} "

@@ -74,22 +74,36 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, const
   return out;
 }
 
-std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, const std::string& path) {
-  if (path != "auto" && path != "scalar") {
-    throw py::value_error("path: expected 'auto' or 'scalar', received '" + path + "'");
+// path "auto" (the CPU's own: taps::gguf::kernel_path()) or a named one; an error names a path this CPU lacks.
+taps::gguf::KernelPath kernel_path_arg(const std::string& path) {
+  using taps::gguf::KernelPath;
+  if (path == "auto") return taps::gguf::kernel_path();
+  if (path == "scalar") return KernelPath::Scalar;
+  if (path == "avx2") {
+    if (!taps::gguf::avx2_available()) throw py::value_error("path: 'avx2' asked, but this CPU lacks AVX2/FMA/F16C");
+    return KernelPath::Avx2;
   }
+  if (path == "vnni") {
+    if (!taps::gguf::vnni_available()) throw py::value_error("path: 'vnni' asked, but this CPU lacks AVX-512 VNNI");
+    return KernelPath::Vnni;
+  }
+  throw py::value_error("path: expected 'auto', 'vnni', 'avx2' or 'scalar', received '" + path + "'");
+}
+
+std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, const std::string& path) {
+  const taps::gguf::KernelPath kp = kernel_path_arg(path);
   check_arg(x_in, "x", {at::kFloat}, {-1, -1});
   const int64_t M = x_in.size(0), K = check_cols(x_in.size(1), "x");
   const at::Tensor x = x_in.contiguous();
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({M, K / 32}, x.options());
   at::Tensor asum = at::empty({M, K / 32}, x.options().dtype(at::kInt));
-  (path == "scalar" ? taps::gguf::quantize_activations_scalar : taps::gguf::quantize_activations)(
-      x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(), asum.data_ptr<int32_t>());
+  taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                   asum.data_ptr<int32_t>(), kp);
   return {a, scale, asum};
 }
 
-// x [M, K] f32 . packed [N, K]^T -> y [M, N] f32; path "auto" (VNNI where the CPU has it), "vnni", "scalar".
+// x [M, K] f32 . packed [N, K]^T -> y [M, N] f32 through the kernels of `path` (kernel_path_arg).
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t type, int64_t N, int64_t K,
                        const std::string& path) {
   const BlockType t = block_type(type, "weight");
@@ -98,12 +112,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   if (N <= 0) throw py::value_error("weight: expected at least one output row, received " + std::to_string(N));
   check_arg(packed, "weight", {at::kByte}, {taps::gguf::packed_bytes(t, N, K)});
   check_contiguous(packed, "weight");
-  if (path != "auto" && path != "vnni" && path != "scalar") {
-    throw py::value_error("path: expected 'auto', 'vnni' or 'scalar', received '" + path + "'");
-  }
-  if (path == "vnni" && !taps::gguf::vnni_available()) {
-    throw py::value_error("path: 'vnni' asked, but this CPU lacks AVX-512 VNNI");
-  }
+  const taps::gguf::KernelPath kp = kernel_path_arg(path);
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), KB = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -114,18 +123,10 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   py::gil_scoped_release no_gil;
-  if (path == "scalar") {
-    taps::gguf::quantize_activations_scalar(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data());
-  } else {
-    taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data());
-  }
+  taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), kp);
   const int64_t groups = (N + taps::gguf::kGroupRows - 1) / taps::gguf::kGroupRows;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if (path == "scalar") {
-      taps::gguf::packed_linear_scalar(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1);
-    } else {
-      taps::gguf::packed_linear(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1);
-    }
+    taps::gguf::packed_linear(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1, kp);
   });
   return y;
 }
@@ -365,12 +366,14 @@ void register_gguf(py::module& m) {
   m.def("gguf_dequantize", &gguf_dequantize, "raw GGUF rows [N, K/32*block_bytes] u8, GGML type, K -> [N, K] f32",
         py::arg("raw"), py::arg("type"), py::arg("cols"), py::arg("name") = "weight");
   m.def("gguf_quantize_activations", &gguf_quantize_activations,
-        "x [M, K] f32 -> [a [M, K] i8, scale [M, K/32] f32, asum [M, K/32] i32]; path 'auto' or 'scalar'",
+        "x [M, K] f32 -> [a [M, K] i8, scale [M, K/32] f32, asum [M, K/32] i32]; path auto|vnni|avx2|scalar",
         py::arg("x"), py::arg("path") = "auto");
   m.def("gguf_linear", &gguf_linear, "x [M, K] f32, packed weight, GGML type, N, K, path -> [M, N] f32",
         py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("path") = "auto");
-  m.def("gguf_vnni_available", &taps::gguf::vnni_available, "whether gguf_linear runs its AVX-512 VNNI path here");
-  m.def("gguf_forward_available", &taps::gguf::forward_available, "whether the GGUF forward runs here (AVX-512F)");
+  m.def("gguf_kernel_path", [] { return std::string(taps::gguf::kernel_path_name(taps::gguf::kernel_path())); },
+        "the block kernels gguf_linear and the GGUF forward run here: 'vnni', 'avx2' or 'scalar'");
+  m.def("gguf_forward_available", &taps::gguf::forward_available,
+        "whether the GGUF forward runs here (AVX-512F, or AVX2 with FMA and F16C)");
   py::class_<GGUFModel>(m, "GGUFModel")
       .def(py::init<const py::dict&, const py::list&, const py::object&, const at::Tensor&, const py::object&>(),
            py::arg("config"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("head"))

@@ -11,7 +11,8 @@
 // decoding (its path committed, the node decoded alone) bit for bit, and a prefill leaves the same cache as
 // decoding the prompt one token at a time.
 //
-// Needs AVX-512F (exp, reductions); gguf::packed_linear picks VNNI or its plain loops by itself.
+// The per-row math runs on AVX-512F or on AVX2 + FMA + F16C (gguf_row_ops.h picks one per process);
+// gguf::packed_linear picks VNNI, AVX2 or its plain loops by itself.
 #pragma once
 
 #include <cstdint>
@@ -73,7 +74,7 @@ struct ForwardBatch {
 // Runs fn(begin, end) over [0, n) split into chunks (the caller's thread pool; chunking changes no bit).
 using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& fn)>;
 
-// Whether this CPU can run the forward (AVX-512F).
+// Whether this CPU can run the forward (AVX-512F, or AVX2 with FMA and F16C).
 bool forward_available();
 
 // Throws std::invalid_argument on inconsistent sizes (the bindings check tensors before calling).
@@ -85,7 +86,7 @@ void forward(const ModelWeights& w, const ForwardBatch& batch, const ParallelFor
 // cache_rows[b]. Reads f.B, f.N, positions, prefix_lens, cache_rows, keys, values, cache_batch, capacity.
 void context_kv(const ModelWeights& w, const float* hidden, const ForwardBatch& batch, const ParallelFor& parallel);
 
-// RMSNorm of M rows of x [M, H] times w [H] into y (y may be x): the forward's own norm (AVX-512).
+// RMSNorm of M rows of x [M, H] times w [H] into y (y may be x): the forward's own norm.
 void rmsnorm_rows(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps);
 
 // Dequantised rows of a packed matrix: out[i, :] = row ids[i] (exact float32 weights).

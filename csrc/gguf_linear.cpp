@@ -372,25 +372,40 @@ bool vnni_available() {
 #endif
 }
 
-void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum) {
+KernelPath kernel_path() {
+  static const KernelPath p = vnni_available() ? KernelPath::Vnni : avx2_available() ? KernelPath::Avx2
+                                                                                      : KernelPath::Scalar;
+  return p;
+}
+
+const char* kernel_path_name(KernelPath p) {
+  return p == KernelPath::Vnni ? "vnni" : p == KernelPath::Avx2 ? "avx2" : "scalar";
+}
+
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
+                          KernelPath path) {
+  if (path == KernelPath::Vnni && !vnni_available()) path = kernel_path();
+  if (path == KernelPath::Avx2 && !avx2_available()) path = KernelPath::Scalar;
+  switch (path) {
 #ifdef TAPS_HAVE_VNNI_PATH
-  if (vnni_available()) {
-    quantize_activations_avx512(x, M, K, a, scale, asum);
-    return;
-  }
+    case KernelPath::Vnni: quantize_activations_avx512(x, M, K, a, scale, asum); return;
 #endif
-  quantize_activations_scalar(x, M, K, a, scale, asum);
+    case KernelPath::Avx2: quantize_activations_avx2(x, M, K, a, scale, asum); return;
+    default: quantize_activations_scalar(x, M, K, a, scale, asum);
+  }
 }
 
 void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a, const float* scale,
-                   const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1) {
+                   const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1, KernelPath path) {
+  if (path == KernelPath::Vnni && !vnni_available()) path = kernel_path();
+  if (path == KernelPath::Avx2 && !avx2_available()) path = KernelPath::Scalar;
+  switch (path) {
 #ifdef TAPS_HAVE_VNNI_PATH
-  if (vnni_available()) {
-    packed_linear_vnni(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1);
-    return;
-  }
+    case KernelPath::Vnni: packed_linear_vnni(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1); return;
 #endif
-  packed_linear_scalar(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1);
+    case KernelPath::Avx2: packed_linear_avx2(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1); return;
+    default: packed_linear_scalar(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1);
+  }
 }
 
 }  // namespace gguf

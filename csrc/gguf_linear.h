@@ -35,6 +35,13 @@ enum class BlockType : int { Q4_1 = 3, Q8_0 = 8 };
 constexpr int64_t kBlock = 32;      // elements per block (both types)
 constexpr int64_t kGroupRows = 16;  // output rows per packed group
 
+// The kernels that quantize_activations and packed_linear run: by default kernel_path(), VNNI where the CPU
+// has it, else AVX2, else the plain loops (a path this CPU lacks falls back the same way). Every path gives
+// the same bits.
+enum class KernelPath : int { Scalar = 0, Avx2 = 1, Vnni = 2 };
+KernelPath kernel_path();
+const char* kernel_path_name(KernelPath p);  // "scalar", "avx2", "vnni"
+
 // IEEE half -> float (exact: every half is a float); half_at reads the little-endian half at p.
 float half_to_float(uint16_t h);
 float half_at(const uint8_t* p);
@@ -53,7 +60,8 @@ void dequantize_blocks(BlockType t, const uint8_t* src, int64_t N, int64_t K, fl
 
 // Quantises x [M, K] per row and 32-block: a [M, K] int8, scale [M, K/32] float32, asum [M, K/32] int32.
 // A block whose amax is not finite gets scale = NaN (its outputs become NaN, never garbage ints).
-void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
+                          KernelPath path = kernel_path());
 
 // The plain-loop quantiser (what quantize_activations runs without AVX-512); exposed for the tests.
 void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
@@ -61,15 +69,25 @@ void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a
 // y[m, n] for n in groups [g0, g1) (rows g*16 ... min(N, g*16+16)), all M rows; ldy is y's row stride.
 // Groups write disjoint columns of y, so callers may run group ranges in parallel.
 void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a, const float* scale,
-                   const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1);
+                   const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1,
+                   KernelPath path = kernel_path());
 
 // The plain-loop path on its own (what packed_linear runs without AVX-512 VNNI); exposed for the tests.
 void packed_linear_scalar(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
                           const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
                           int64_t g1);
 
-// Whether this CPU runs the AVX-512 VNNI path (probed once per process).
+// The same two operations on AVX2 (gguf_linear_avx2.cpp: vpmaddubsw sums that cannot saturate), for CPUs
+// without AVX-512; the same bits as the plain loops. Callers check avx2_available() first.
+void quantize_activations_avx2(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
+void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                        const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
+                        int64_t g1);
+
+// Whether this CPU runs the AVX-512 VNNI path / the AVX2 path (each probed once per process).
 bool vnni_available();
+bool avx2_available();
+
 
 }  // namespace gguf
 }  // namespace taps

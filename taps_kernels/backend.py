@@ -298,18 +298,23 @@ def _cpu_int8_linear_backend() -> Tuple[str, str]:
 @functools.lru_cache(maxsize=None)
 def gguf_linear_backend() -> Tuple[str, str]:
     """``(path, why)`` of the GGUF block kernels (``csrc/gguf_linear.h``) and the GGUF target's forward on this
-    CPU: ``"vnni"`` (AVX-512 VNNI), ``"scalar"`` (the same arithmetic in plain loops: exact, slow) or
-    ``"unavailable"``. AMX tiles are not used (no AMX kernel is implemented)."""
+    CPU: ``"vnni"`` (AVX-512 VNNI), ``"avx2"`` (vpmaddubsw sums that cannot saturate), ``"scalar"`` (the same
+    arithmetic in plain loops: exact, slow) or ``"unavailable"``; every path gives the same bits. AMX tiles are
+    not used (no AMX kernel is implemented)."""
     mod, why = load_extension("_C")
     if mod is None:
         return "unavailable", f"the C++ extension is not built ({why})"
     flags = cpu_flags()
     amx = "; this CPU has AMX-INT8, which no kernel here uses yet" if "amx_int8" in flags else ""
     if not mod.gguf_forward_available():
-        return "unavailable", "the GGUF forward needs AVX-512F; use the fp32 target format"
-    if mod.gguf_vnni_available():
+        return "unavailable", "the GGUF forward needs AVX-512F, or AVX2 with FMA and F16C; use the fp32 target format"
+    path = mod.gguf_kernel_path()
+    if path == "vnni":
         return "vnni", "vpdpbusd over Q4_1 / Q8_0 blocks, int8 activations per 32-block" + amx
-    return "scalar", "no AVX-512 VNNI here: the block kernels run their plain loops (same bits, slower)" + amx
+    if path == "avx2":
+        return "avx2", ("no AVX-512 VNNI here: vpmaddubsw / vpmaddwd over Q4_1 / Q8_0 blocks (exact int32 block "
+                        "sums, the same bits as VNNI), the forward's row math on 8 lanes" + amx)
+    return "scalar", "no AVX2 here: the block kernels run their plain loops (same bits, slower)" + amx
 
 
 def int8_reduce_range() -> bool:

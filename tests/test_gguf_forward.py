@@ -10,7 +10,7 @@ from gguf_models import write_tiny_gguf
 from helpers import random_tree, tiny_drafter
 
 _C = pytest.importorskip("taps_kernels._C")
-pytestmark = pytest.mark.skipif(not _C.gguf_forward_available(), reason="the GGUF forward needs AVX-512")
+pytestmark = pytest.mark.skipif(not _C.gguf_forward_available(), reason="the GGUF forward needs AVX-512 or AVX2")
 
 from taps.decode.loop import BatchDecoder, SpeculativeDecoder  # noqa: E402
 from taps.decode.policies import make_policy  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 from gguf_models import write_tiny_gguf
 
 _C = pytest.importorskip("taps_kernels._C")
-pytestmark = pytest.mark.skipif(not _C.gguf_forward_available(), reason="the GGUF forward needs AVX-512")
+pytestmark = pytest.mark.skipif(not _C.gguf_forward_available(), reason="the GGUF forward needs AVX-512 or AVX2")
 
 from taps.data.gguf_generation import GGUFGenerator  # noqa: E402
 from taps.models.gguf_target import load_gguf_target  # noqa: E402

@@ -10,7 +10,8 @@ from taps_kernels.reference.gguf import (Q4_1, Q8_0, dequantize_blocks_reference
 
 _C = pytest.importorskip("taps_kernels._C")
 TYPES = [Q4_1, Q8_0]
-PATHS = ["scalar"] + (["vnni"] if _C.gguf_vnni_available() else [])
+# every path this CPU runs (an AVX-512 VNNI CPU also has AVX2)
+PATHS = {"scalar": ["scalar"], "avx2": ["scalar", "avx2"], "vnni": ["scalar", "avx2", "vnni"]}[_C.gguf_kernel_path()]
 
 
 def _raw(rows, cols, t, seed=0):
@@ -32,7 +33,7 @@ def test_dequantize_matches_reference_and_gguf_py(t):
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs)).float())
 
 
-@pytest.mark.parametrize("path", ["auto", "scalar"])
+@pytest.mark.parametrize("path", ["auto"] + PATHS)
 def test_quantize_activations_matches_reference(path):
     x = torch.randn(7, 96) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(32)
     x[1, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
@@ -60,6 +61,26 @@ def test_linear_matches_reference_bit_for_bit(t, N, K, M, path):
     step = x.abs().reshape(M, -1, 32).amax(-1).repeat_interleave(32, 1) / 127  # one code step per element
     bound = (step / 2) @ dequantize_blocks_reference(raw, t, K).abs().T
     assert ((y - exact).abs() <= bound * 1.001 + 1e-5).all()
+
+
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("path", PATHS)
+def test_extreme_codes_do_not_saturate(t, path):
+    # the largest products every path must sum exactly: nibbles 15 (Q4_1) or codes -128 / 127 (Q8_0) against
+    # activation codes +-127 of one sign per block (AVX2 sums byte pairs in int16, which saturates at 32767)
+    N, K, M = 19, 128, 5
+    raw = _raw(N, K, t).view(N, K // 32, -1).clone()
+    if t == Q4_1:
+        raw[..., 4:] = 0xFF
+    else:
+        raw[..., 2:] = torch.tensor([-128, 127], dtype=torch.int8).view(torch.uint8).repeat(16)
+        raw[N // 2:, :, 2:] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+        raw[N - 3:, :, 2:] = 127
+    raw = raw.view(N, -1).contiguous()
+    x = torch.ones(M, K) * torch.tensor([1.0, -1.0, 3.0, -0.5, 1.0]).view(M, 1)
+    x[4, ::2] = -1.0  # alternating signs: +-127 against the alternating Q8_0 codes
+    y = _C.gguf_linear(x, _C.gguf_pack(raw, t, K), t, N, K, path)
+    assert torch.equal(_bits(y), _bits(gguf_linear_reference(x, raw, t)))
 
 
 def row_invariance_violations(linear, K, rows_per_call=range(1, 65), seed=0):
@@ -147,7 +168,7 @@ def test_explain_names_the_gguf_path_this_cpu_runs():
     import taps_kernels
     from taps_kernels.backend import gguf_linear_backend
 
-    want = ("vnni" if _C.gguf_vnni_available() else "scalar") if _C.gguf_forward_available() else "unavailable"
+    want = _C.gguf_kernel_path() if _C.gguf_forward_available() else "unavailable"
     assert gguf_linear_backend()[0] == want
     assert f"gguf_linear (GGUF target format): {want} - " in taps_kernels.explain()
 

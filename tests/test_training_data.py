@@ -346,8 +346,8 @@ def test_build_data_gguf_shards_equal_rows_alone_and_resume(tmp_path, monkeypatc
     from taps.training.train_drafter import ShardData
 
     _C = pytest.importorskip("taps_kernels._C")
-    if not (_C.gguf_forward_available() and _C.gguf_vnni_available()):
-        pytest.skip("the gguf target format needs AVX-512 VNNI")
+    if not _C.gguf_forward_available() or _C.gguf_kernel_path() == "scalar":
+        pytest.skip("the gguf target format needs AVX-512 VNNI or AVX2")
     path = write_tiny_gguf(tmp_path / "tiny.gguf", vocab=80, layers=3)
     target, tok = load_gguf_target(path), _CharTokenizer()
     monkeypatch.setattr(data_mod, "load_target", lambda name, **kw: (target, tok))
@@ -436,6 +436,6 @@ def test_build_data_fp32_and_data_from_before_the_target_format(tmp_path, monkey
     build_data(cfg)  # resumes: every shard is there
     assert len((out / "stats.jsonl").read_text().splitlines()) == 2
     _C = pytest.importorskip("taps_kernels._C")
-    if _C.gguf_forward_available() and _C.gguf_vnni_available():
+    if _C.gguf_forward_available() and _C.gguf_kernel_path() != "scalar":
         with pytest.raises(ValueError, match="other options.*target_format"):
             build_data(BuildDataConfig(**dict(cfg.__dict__, target_format="gguf")))

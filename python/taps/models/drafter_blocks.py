@@ -28,12 +28,13 @@ QUANTIZE = {Q8_0: quantize_q8_0_reference, Q4_1: quantize_q4_1_reference}
 
 
 def block_draft_available() -> bool:
-    """Whether the block forward runs here (AVX-512 with VNNI: the plain loops would be slower than torch)."""
+    """Whether the block forward runs here with vector int8 kernels (AVX-512 VNNI or AVX2: the plain loops would
+    be slower than torch)."""
     try:
         from taps_kernels import _C
     except ImportError:
         return False
-    return bool(_C.gguf_forward_available() and _C.gguf_vnni_available())
+    return bool(_C.gguf_forward_available() and _C.gguf_kernel_path() != "scalar")
 
 
 def block_draft_unsupported(config) -> str:

@@ -179,14 +179,15 @@ def load_gguf_target(path) -> GGUFTarget:
     """Read a Llama / Qwen3 GGUF file into a :class:`GGUFTarget` (matrices repacked once, ~1 s for SmolLM2).
 
     Raises :class:`GGUFFormatError` naming the tensor for unsupported types, wrong shapes and truncated data,
-    and RuntimeError when this CPU cannot run the forward (it needs AVX-512; ``taps_kernels.explain()``).
+    and RuntimeError when this CPU cannot run the forward (it needs AVX-512 or AVX2; ``taps_kernels.explain()``).
     """
     from gguf import GGUFReader
 
     from taps_kernels import _C
 
     if not _C.gguf_forward_available():
-        raise RuntimeError("the GGUF target needs a CPU with AVX-512 (this one lacks it): use --target-format fp32")
+        raise RuntimeError("the GGUF target needs a CPU with AVX-512, or AVX2 with FMA and F16C (this one lacks "
+                           "them): use --target-format fp32")
     path = Path(path)
     try:
         reader = GGUFReader(str(path))

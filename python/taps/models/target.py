@@ -135,8 +135,8 @@ TARGET_FORMATS = ("auto", "gguf", "fp32")
 
 def resolve_target_format(target_format: str, path_or_name: str = "smollm2", device: str = "cpu") -> Tuple[str, str]:
     """``(format, why)`` for ``target_format`` in :data:`TARGET_FORMATS`. ``auto``: ``gguf`` for a GGUF target
-    (``smollm2`` or a ``.gguf`` file) on a CPU that runs the block forward (AVX-512; VNNI for the int8 dot
-    products), else ``fp32``."""
+    (``smollm2`` or a ``.gguf`` file) on a CPU that runs the block forward with vector int8 dot products
+    (AVX-512 VNNI, or AVX2), else ``fp32``."""
     if target_format not in TARGET_FORMATS:
         raise ValueError(f"target_format: expected one of {TARGET_FORMATS}, received {target_format!r}")
     is_gguf = str(path_or_name) in SMOLLM2_NAMES or str(path_or_name).endswith(".gguf")
@@ -154,16 +154,16 @@ def resolve_target_format(target_format: str, path_or_name: str = "smollm2", dev
             problem = "the C++ extension taps_kernels._C is not built"
         else:
             if not _C.gguf_forward_available():
-                problem = "this CPU lacks AVX-512"
-            elif not _C.gguf_vnni_available():
-                problem = "this CPU lacks AVX-512 VNNI (the block kernels would run their plain loops)"
+                problem = "this CPU lacks AVX-512 and AVX2"
+            elif _C.gguf_kernel_path() == "scalar":
+                problem = "this CPU lacks AVX-512 VNNI and AVX2 (the block kernels would run their plain loops)"
     if target_format == "gguf":
         if problem:
             raise ValueError(f"target_format 'gguf': {problem}")
         return "gguf", "asked for"
     if problem:
         return "fp32", problem
-    return "gguf", "GGUF blocks through the VNNI kernels (reads ~96 MB a step instead of ~540 MB)"
+    return "gguf", f"GGUF blocks through the {_C.gguf_kernel_path()} kernels (reads ~96 MB a step instead of ~540 MB)"
 
 
 def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -1,0 +1,221 @@
+// The GGUF block kernels on AVX2 (CPUs without AVX-512): the numerics of gguf_linear.h, bit for bit.
+//
+// AVX2 has no vpdpbusd. vpmaddubsw multiplies unsigned by signed bytes and adds adjacent pairs into int16
+// with saturation, so each block's int32 sum is built where no int16 can saturate:
+//   Q4_1: nibbles 0..15 times activations in [-127, 127]: a pair is at most 3,810 in magnitude, and the eight
+//         pair sums of one 32-element block per lane at most 30,480, so they add in int16; one vpmaddwd by 1
+//         then gives the block's int32 sum per output row.
+//   Q8_0: q in [-128, 127] (stored q + 128): |q| times (a with q's sign) keeps a pair within 2 * 128 * 127 =
+//         32,512; each vpmaddubsw goes to int32 at once.
+// Both are exact integer sums, so the float step after them (the same multiplies and adds in the same order
+// as the plain loop) gives the same bits as the plain loop and the VNNI path, whatever the row count.
+//
+// Lanes are output rows: one 256-bit register holds 8 of a packed group's 16 rows, so a group runs as two
+// halves of 8 rows each, reading the half of every 64-byte line that holds its rows.
+#include "gguf_linear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define TAPS_HAVE_AVX2_PATH 1
+#define TAPS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace taps {
+namespace gguf {
+
+bool avx2_available() {
+#ifdef TAPS_HAVE_AVX2_PATH
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#ifdef TAPS_HAVE_AVX2_PATH
+namespace {
+
+typedef int32_t __attribute__((may_alias, aligned(1))) dword;  // 4 activation bytes, read as one
+
+TAPS_AVX2 inline __m256i broadcast_dword(const int8_t* p) {
+  return _mm256_set1_epi32(*reinterpret_cast<const dword*>(p));
+}
+
+// Rows act[c] (c < MC) of x, over the 8 output rows of half `half` of one packed group; `live` of them exist.
+struct RowChunk {
+  const int8_t* act[4];
+  const float* scale[4];
+  const int32_t* asum[4];
+  float* y[4];
+};
+
+TAPS_AVX2 inline void store_live(float* y, __m256 v, int live) {
+  if (live >= 8) {
+    _mm256_storeu_ps(y, v);
+  } else {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(live), lane), v);
+  }
+}
+
+template <int MC>
+TAPS_AVX2 void half_group_q4_1(const uint8_t* rec, int64_t KB, const RowChunk& x, int half, int live) {
+  const int64_t rb = record_bytes(BlockType::Q4_1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MC];
+  for (int c = 0; c < MC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb, rec += rb) {
+    __m256i s16[MC];
+    for (int c = 0; c < MC; ++c) s16[c] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * half));
+      const __m256i wl = _mm256_and_si256(p, low);
+      const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      for (int c = 0; c < MC; ++c) {
+        const int8_t* a = x.act[c] + kb * kBlock;
+        s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(wl, broadcast_dword(a + 4 * j)));
+        s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(wh, broadcast_dword(a + 16 + 4 * j)));
+      }
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * half)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * half)));
+    for (int c = 0; c < MC; ++c) {
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[c], ones));
+      const __m256 blk = _mm256_add_ps(_mm256_mul_ps(dv, isum),
+                                       _mm256_mul_ps(mv, _mm256_set1_ps(static_cast<float>(x.asum[c][kb]))));
+      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(blk, _mm256_set1_ps(x.scale[c][kb])));
+    }
+  }
+  for (int c = 0; c < MC; ++c) store_live(x.y[c] + 8 * half, acc[c], live);
+}
+
+template <int MC>
+TAPS_AVX2 void half_group_q8_0(const uint8_t* rec, int64_t KB, const RowChunk& x, int half, int live) {
+  const int64_t rb = record_bytes(BlockType::Q8_0);
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MC];
+  for (int c = 0; c < MC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb, rec += rb) {
+    __m256i s32[MC];
+    for (int c = 0; c < MC; ++c) s32[c] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      const __m256i q = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * t + 32 * half)), bias);
+      const __m256i mag = _mm256_sign_epi8(q, q);  // |q| as unsigned bytes (128 for -128)
+      for (int c = 0; c < MC; ++c) {
+        const __m256i signed_a = _mm256_sign_epi8(broadcast_dword(x.act[c] + kb * kBlock + 4 * t), q);
+        s32[c] = _mm256_add_epi32(s32[c], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, signed_a), ones));
+      }
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * half)));
+    for (int c = 0; c < MC; ++c) {
+      const __m256 blk = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(s32[c]));
+      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(blk, _mm256_set1_ps(x.scale[c][kb])));
+    }
+  }
+  for (int c = 0; c < MC; ++c) store_live(x.y[c] + 8 * half, acc[c], live);
+}
+
+using HalfFn = void (*)(const uint8_t*, int64_t, const RowChunk&, int, int);
+
+// Up to 4 rows at a time: 4 block sums + 4 accumulators + the weights and constants in the 16 registers.
+constexpr int kRowChunk = 4;
+
+}  // namespace
+
+TAPS_AVX2 void quantize_activations_avx2(const float* x, int64_t M, int64_t K, int8_t* a, float* scale,
+                                         int32_t* asum) {
+  const int64_t KB = K / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const float* xb = x + m * K + kb * kBlock;
+      int8_t* ab = a + m * K + kb * kBlock;
+      __m256 v[4], mx = _mm256_setzero_ps();
+      bool finite = true;
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        const __m256 av = _mm256_andnot_ps(sign, v[i]);
+        // NaN compares unordered: a block with NaN or inf is flagged by "not <= FLT_MAX"
+        finite = finite && _mm256_movemask_ps(_mm256_cmp_ps(av, big, _CMP_LE_OQ)) == 0xFF;
+        mx = _mm256_max_ps(mx, av);
+      }
+      if (!finite) {
+        std::memset(ab, 0, kBlock);
+        scale[m * KB + kb] = std::numeric_limits<float>::quiet_NaN();
+        asum[m * KB + kb] = 0;
+        continue;
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float amax = _mm_cvtss_f32(h);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
+      __m256i total = _mm256_setzero_si256();
+      alignas(32) int32_t q[32];
+      for (int i = 0; i < 4; ++i) {
+        // cvtps rounds to nearest even under the default rounding mode, as nearbyint does in the plain loop
+        const __m256i qi = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lim), neg);
+        total = _mm256_add_epi32(total, qi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * i), qi);
+      }
+      for (int e = 0; e < 32; ++e) ab[e] = static_cast<int8_t>(q[e]);
+      alignas(32) int32_t t[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t), total);
+      asum[m * KB + kb] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+      scale[m * KB + kb] = amax / 127.0f;
+    }
+  }
+}
+
+TAPS_AVX2 void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                                  const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy,
+                                  int64_t g0, int64_t g1) {
+  static const HalfFn q41[kRowChunk + 1] = {nullptr, half_group_q4_1<1>, half_group_q4_1<2>, half_group_q4_1<3>,
+                                            half_group_q4_1<4>};
+  static const HalfFn q80[kRowChunk + 1] = {nullptr, half_group_q8_0<1>, half_group_q8_0<2>, half_group_q8_0<3>,
+                                            half_group_q8_0<4>};
+  const HalfFn* fns = t == BlockType::Q4_1 ? q41 : q80;
+  const int64_t KB = K / kBlock, rec = record_bytes(t);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
+    const uint8_t* grec = packed + g * KB * rec;
+    for (int64_t m = 0, mc = 0; m < M; m += mc) {
+      const int64_t left = M - m, chunks = (left + kRowChunk - 1) / kRowChunk;
+      mc = (left + chunks - 1) / chunks;
+      RowChunk x{};
+      for (int64_t c = 0; c < mc; ++c) {
+        x.act[c] = a + (m + c) * K;
+        x.scale[c] = scale + (m + c) * KB;
+        x.asum[c] = asum + (m + c) * KB;
+        x.y[c] = y + (m + c) * ldy + g * kGroupRows;
+      }
+      for (int half = 0; half < 2 && 8 * half < live; ++half) {
+        fns[mc](grec, KB, x, half, static_cast<int>(std::min<int64_t>(8, live - 8 * half)));
+      }
+    }
+  }
+}
+#else
+void quantize_activations_avx2(const float*, int64_t, int64_t, int8_t*, float*, int32_t*) {
+  throw std::logic_error("quantize_activations_avx2: not an x86-64 build");
+}
+void packed_linear_avx2(BlockType, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*,
+                        int64_t, float*, int64_t, int64_t, int64_t) {
+  throw std::logic_error("packed_linear_avx2: not an x86-64 build");
+}
+#endif
+
+}  // namespace gguf
+}  // namespace taps

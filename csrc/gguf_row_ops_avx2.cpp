@@ -1,0 +1,188 @@
+// The GGUF forward's per-row math on AVX2 + FMA + F16C (see gguf_row_ops.h), for CPUs without AVX-512.
+//
+// The AVX-512 set's operations on 8 lanes instead of 16: sums over 8 fixed lanes then a fixed lane reduction,
+// the same exp polynomial (2^n applied as two exact power-of-two factors, so the one rounding is scalef's), the
+// scores of 8 consecutive visible keys reduced by one transpose. Every reduction order depends only on the
+// lengths and the sequence of visible keys, never on other rows or on the slots the keys sit in.
+#include "gguf_row_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define TAPS_HAVE_AVX2_ROWS 1
+#define TAPS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace taps {
+namespace gguf {
+
+#ifdef TAPS_HAVE_AVX2_ROWS
+namespace {
+
+// Lanes [0, n) of an all-ones mask (n in 0..8), for maskload / maskstore.
+TAPS_AVX2 inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Lane sum in a fixed order: halves, then pairs, then the last two.
+TAPS_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+TAPS_AVX2 inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 2^n for integral n in [-126, 127] (exact).
+TAPS_AVX2 inline __m256 pow2(__m256 n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+
+// exp with exp_avx512's argument clamp, reduction and polynomial; p * 2^n as (p * 2^n1) * 2^n2 with both factors
+// normal, of which only the second product rounds (to inf, to a subnormal or to 0 as scalef does).
+TAPS_AVX2 inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(100.0f), _mm256_max_ps(_mm256_set1_ps(-110.0f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256 n1 = _mm256_floor_ps(_mm256_mul_ps(n, _mm256_set1_ps(0.5f)));  // n in [-159, 145]: n1, n2 in range
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(n1)), pow2(_mm256_sub_ps(n, n1)));
+}
+
+// Sum of x[0..n) in a fixed order that depends on n only: 8 lanes over chunks, then the lane reduction.
+TAPS_AVX2 float sum_fixed(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
+  if (i < n) acc = _mm256_add_ps(acc, _mm256_maskload_ps(x + i, first_lanes(n - i)));
+  return hsum8(acc);
+}
+
+TAPS_AVX2 void rmsnorm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  if (i < H) {
+    const __m256 v = _mm256_maskload_ps(x + i, first_lanes(H - i));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  const float inv = 1.0f / std::sqrt(hsum8(acc) / static_cast<float>(H) + eps);
+  for (int64_t k = 0; k < H; ++k) y[k] = w[k] * (x[k] * inv);
+}
+
+// silu(g) * u in place into g; each element's result depends on that element alone (the tail under a mask).
+TAPS_AVX2 void swiglu(float* g, const float* u, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i m = first_lanes(std::min<int64_t>(8, n - i));
+    const __m256 v = _mm256_maskload_ps(g + i, m);
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_maskstore_ps(g + i, m, _mm256_div_ps(v, _mm256_add_ps(one, e)));
+  }
+  for (int64_t i = 0; i < n; ++i) g[i] = g[i] * u[i];
+}
+
+// The 8 horizontal sums of v[0..8) as one vector (lane i = sum of v[i]); a fixed shuffle tree.
+TAPS_AVX2 inline __m256 transpose_sum8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Softmax of one head's scores s[0..nv) in place (max, exp, then the fixed-order sum); returns 1 / sum.
+TAPS_AVX2 float softmax_scores(float* s, int64_t nv) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 mx = ninf;
+  for (int64_t t = 0; t < nv; t += 8) {
+    const __m256i k = first_lanes(std::min<int64_t>(8, nv - t));
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + t, k), _mm256_castsi256_ps(k)));
+  }
+  const __m256 m = _mm256_set1_ps(hmax8(mx));
+  for (int64_t t = 0; t < nv; t += 8) {
+    const __m256i k = first_lanes(std::min<int64_t>(8, nv - t));
+    _mm256_maskstore_ps(s + t, k, exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + t, k), m)));
+  }
+  return 1.0f / sum_fixed(s, nv);
+}
+
+// Attention of one query row for the G query heads of one KV head (head_dim = 8 * DC); gguf_row_ops.h.
+// Head by head (the AVX-512 set's registers do not fit in 16): dots by FMA over the 8-lane chunks, 8 keys
+// reduced by one transpose, the softmax in slot-sequence order, the value sum in that order.
+template <int G, int DC>
+TAPS_AVX2 void attend(const float* q, const float* K, const float* V, const int64_t* vis, int64_t nv, float scale,
+                      float* scores, float* out) {
+  constexpr int64_t D = 8 * DC;
+  for (int g = 0; g < G; ++g) {
+    __m256 qv[DC];
+    for (int c = 0; c < DC; ++c) qv[c] = _mm256_loadu_ps(q + g * D + 8 * c);
+    float* sg = scores + g * nv;
+    for (int64_t t0 = 0; t0 < nv; t0 += 8) {
+      const int64_t tn = std::min<int64_t>(8, nv - t0);
+      __m256 part[8];
+      for (int64_t t = 0; t < 8; ++t) {
+        __m256 acc = _mm256_setzero_ps();
+        if (t < tn) {
+          const float* k = K + vis[t0 + t] * D;
+          for (int c = 0; c < DC; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), acc);
+        }
+        part[t] = acc;
+      }
+      _mm256_maskstore_ps(sg + t0, first_lanes(tn), _mm256_mul_ps(transpose_sum8(part), _mm256_set1_ps(scale)));
+    }
+    const __m256 inv = _mm256_set1_ps(softmax_scores(sg, nv));
+    __m256 acc[DC];
+    for (int c = 0; c < DC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < nv; ++t) {
+      const float* v = V + vis[t] * D;
+      const __m256 p = _mm256_set1_ps(sg[t]);
+      for (int c = 0; c < DC; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < DC; ++c) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+  }
+}
+
+// The kernel for (G, head_dim): G in 1..8, head_dim 16 * (1..8).
+AttendFn attend_for(int64_t G, int64_t D) {
+#define TAPS_ATTEND_ROW(g) {attend<g, 2>, attend<g, 4>, attend<g, 6>, attend<g, 8>, attend<g, 10>, attend<g, 12>, \
+                            attend<g, 14>, attend<g, 16>}
+  static const AttendFn table[8][8] = {TAPS_ATTEND_ROW(1), TAPS_ATTEND_ROW(2), TAPS_ATTEND_ROW(3), TAPS_ATTEND_ROW(4),
+                                       TAPS_ATTEND_ROW(5), TAPS_ATTEND_ROW(6), TAPS_ATTEND_ROW(7), TAPS_ATTEND_ROW(8)};
+#undef TAPS_ATTEND_ROW
+  return table[G - 1][D / 16 - 1];
+}
+
+}  // namespace
+
+const RowOps* row_ops_avx2() {
+  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for};
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok ? &ops : nullptr;
+}
+#else
+const RowOps* row_ops_avx2() { return nullptr; }
+#endif
+
+}  // namespace gguf
+}  // namespace taps
