@@ -131,7 +131,9 @@ void write_cache(const ForwardBatch& f, int64_t l, const float* k, const float* 
 }  // namespace
 
 const RowOps* row_ops() {
-  static const RowOps* ops = row_ops_avx512() ? row_ops_avx512() : row_ops_avx2();
+  // the AVX2 block kernels asked for on an AVX-512 CPU (TAPS_GGUF_KERNELS=avx2) bring the AVX2 row math along
+  static const RowOps* ops =
+      row_ops_avx512() && kernel_path() != KernelPath::Avx2 ? row_ops_avx512() : row_ops_avx2();
   return ops;
 }
 

@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -373,8 +375,16 @@ bool vnni_available() {
 }
 
 KernelPath kernel_path() {
-  static const KernelPath p = vnni_available() ? KernelPath::Vnni : avx2_available() ? KernelPath::Avx2
-                                                                                      : KernelPath::Scalar;
+  static const KernelPath p = [] {
+    const KernelPath best = vnni_available() ? KernelPath::Vnni : avx2_available() ? KernelPath::Avx2
+                                                                                   : KernelPath::Scalar;
+    // TAPS_GGUF_KERNELS=avx2 or =scalar runs a slower path on a CPU that has a faster one (to test it there)
+    const char* env = std::getenv("TAPS_GGUF_KERNELS");
+    const std::string want = env ? env : "";
+    if (want == "scalar") return KernelPath::Scalar;
+    if (want == "avx2" && best == KernelPath::Vnni) return KernelPath::Avx2;
+    return best;
+  }();
   return p;
 }
 

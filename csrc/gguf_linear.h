@@ -36,8 +36,9 @@ constexpr int64_t kBlock = 32;      // elements per block (both types)
 constexpr int64_t kGroupRows = 16;  // output rows per packed group
 
 // The kernels that quantize_activations and packed_linear run: by default kernel_path(), VNNI where the CPU
-// has it, else AVX2, else the plain loops (a path this CPU lacks falls back the same way). Every path gives
-// the same bits.
+// has it, else AVX2, else the plain loops (a path this CPU lacks falls back the same way); the environment
+// variable TAPS_GGUF_KERNELS=avx2|scalar asks for a slower one (read once per process). Every path gives the
+// same bits.
 enum class KernelPath : int { Scalar = 0, Avx2 = 1, Vnni = 2 };
 KernelPath kernel_path();
 const char* kernel_path_name(KernelPath p);  // "scalar", "avx2", "vnni"

@@ -30,7 +30,8 @@ struct RowOps {
 const RowOps* row_ops_avx512();
 const RowOps* row_ops_avx2();
 
-// The set this process runs: AVX-512 where the CPU has it, else AVX2; null where neither runs.
+// The set this process runs: AVX-512 where the CPU has it (unless TAPS_GGUF_KERNELS=avx2), else AVX2; null
+// where neither runs.
 const RowOps* row_ops();
 
 }  // namespace gguf

@@ -23,8 +23,9 @@ struct Bf16 {
   uint16_t bits;
 };
 
-// Whether this CPU runs the AVX-512 path; without it rows_linear_tiles falls back to plain loops
-// (correct, slower than BLAS: callers should not pick it then).
+// Whether this CPU runs the AVX-512 path; without it rows_linear_tiles runs an AVX2 twin where the CPU has AVX2
+// (the GGUF drafter's fc projection), else plain loops (correct, slower than BLAS: callers should not pick it
+// over torch's linear then; the AVX2 twin was not measured against BLAS).
 bool rows_linear_vectorized();
 
 // Computes the weight-row tiles [t0, t1) (tile t covers weight rows t*kRowsLinearTile ...) for all M rows.
@@ -34,7 +35,7 @@ void rows_linear_tiles(const float* x, const float* w, const float* bias, float*
 void rows_linear_tiles(const float* x, const Bf16* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                        int64_t t0, int64_t t1);
 
-// The plain-loop path on its own (what rows_linear_tiles runs without AVX-512); exposed for the unit test.
+// The plain-loop path on its own (what rows_linear_tiles runs without AVX-512 or AVX2); exposed for the unit test.
 void rows_linear_tiles_scalar(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
                               int64_t K, int64_t t0, int64_t t1);
 void rows_linear_tiles_scalar(const float* x, const Bf16* w, const float* bias, float* y, int64_t M, int64_t N,
