@@ -43,16 +43,26 @@ from ..paths import cache_root
 
 
 def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; the platform's word where that is missing)."""
-    cpu = platform.processor() or platform.machine()
+    """The CPU's model name, family / model numbers and widest int8 vector unit (``/proc/cpuinfo``), e.g.
+    ``AMD EPYC (family 25, model 17; avx512_vnni)``: virtual machines report one model name for CPU
+    generations as different as AVX2-only and AVX-512 parts. The platform's word where that file is missing."""
+    fields = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
     except OSError:
         pass
-    return cpu
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    unit = next((u for u in ("amx_int8", "avx512_vnni", "avx_vnni", "avx2") if u in flags), "no avx2")
+    return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}; {unit})"
 
 
 def machine_key(device: Optional[torch.device] = None) -> str:
