@@ -101,7 +101,8 @@ def main(argv=None):
            "load_average_after": [round(x, 2) for x in os.getloadavg()],
            "seconds_total": round(time.time() - t_start, 1), "rows": rows}
     by = {(r["generator"], r["batch"]): r for r in rows}
-    print(f"\n# {res['cpu']}, {args.threads} thread(s), {res['kernel_path']} kernels, {args.new_tokens} new tokens per row, "
+    print(f"\n# {res['cpu']}, {args.threads} thread(s), {res['kernel_path']} kernels, "
+          f"{args.new_tokens} new tokens per row, "
           f"top-{args.topk}, {len(layer_ids)} feature layers; load average {res['load_average_before'][0]:.1f} "
           f"before, {res['load_average_after'][0]:.1f} after")
     print(f"{'batch':>5} {'fp32 tok/s':>10} {'gguf tok/s':>10} {'x fp32':>7} {'gguf decode tok/s':>17} "

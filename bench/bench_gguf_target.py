@@ -111,7 +111,8 @@ def main():
     res = {"cpu": cpu_name(), "threads": args.threads, "kernel_path": _C.gguf_kernel_path(),
            "kernels": kernel_table([int(r) for r in args.rows.split(",")], args.repeats)}
     k = res["kernels"]
-    print(f"# {res['cpu']}, {args.threads} thread(s), {res['kernel_path']} kernels: all {k['matrices']} matrices of SmolLM2 "
+    print(f"# {res['cpu']}, {args.threads} thread(s), {res['kernel_path']} kernels: "
+          f"all {k['matrices']} matrices of SmolLM2 "
           f"({k['bytes'] / 1e6:.1f} MB of blocks; streaming them once: {k['stream_floor_ms']:.2f} ms)")
     print(f"{'rows':>5} {'gguf ms':>8} {'GB/s':>6} {'GOP/s':>7} {'fp32 ms':>8} {'bf16 ms':>8} {'int8 ms':>8}")
     for r in k["rows"]:
