@@ -1,5 +1,6 @@
 // Few-row linear layer (see rows_linear.h for why and the blocking).
 #include "rows_linear.h"
+#include "simd_math.h"
 
 #include <algorithm>
 #include <cstring>
@@ -149,13 +150,6 @@ TAPS_AVX2 inline __m256 load_w8(const float* p) { return _mm256_loadu_ps(p); }
 TAPS_AVX2 inline __m256 load_w8(const Bf16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-TAPS_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 template <int R, int C, typename W>
