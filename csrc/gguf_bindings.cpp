@@ -83,11 +83,20 @@ taps::gguf::KernelPath kernel_path_arg(const std::string& path) {
     if (!taps::gguf::avx2_available()) throw py::value_error("path: 'avx2' asked, but this CPU lacks AVX2/FMA/F16C");
     return KernelPath::Avx2;
   }
-  if (path == "vnni") {
-    if (!taps::gguf::vnni_available()) throw py::value_error("path: 'vnni' asked, but this CPU lacks AVX-512 VNNI");
-    return KernelPath::Vnni;
+  if (path == "vnni" || path == "amx-emulated") {
+    if (!taps::gguf::vnni_available()) {
+      throw py::value_error("path: '" + path + "' asked, but this CPU lacks AVX-512 VNNI");
+    }
+    return path == "vnni" ? KernelPath::Vnni : KernelPath::AmxEmulated;
   }
-  throw py::value_error("path: expected 'auto', 'vnni', 'avx2' or 'scalar', received '" + path + "'");
+  if (path == "amx") {
+    if (!taps::gguf::amx_available()) {
+      throw py::value_error("path: 'amx' asked, but this CPU lacks AMX-INT8 or its start-up check failed");
+    }
+    return KernelPath::Amx;
+  }
+  throw py::value_error("path: expected 'auto', 'amx', 'amx-emulated', 'vnni', 'avx2' or 'scalar', received '" +
+                        path + "'");
 }
 
 std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, const std::string& path) {
@@ -366,12 +375,16 @@ void register_gguf(py::module& m) {
   m.def("gguf_dequantize", &gguf_dequantize, "raw GGUF rows [N, K/32*block_bytes] u8, GGML type, K -> [N, K] f32",
         py::arg("raw"), py::arg("type"), py::arg("cols"), py::arg("name") = "weight");
   m.def("gguf_quantize_activations", &gguf_quantize_activations,
-        "x [M, K] f32 -> [a [M, K] i8, scale [M, K/32] f32, asum [M, K/32] i32]; path auto|vnni|avx2|scalar",
+        "x [M, K] f32 -> [a [M, K] i8, scale [M, K/32] f32, asum [M, K/32] i32]; path auto|amx|amx-emulated|vnni|"
+        "avx2|scalar",
         py::arg("x"), py::arg("path") = "auto");
   m.def("gguf_linear", &gguf_linear, "x [M, K] f32, packed weight, GGML type, N, K, path -> [M, N] f32",
         py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("path") = "auto");
+  m.def("gguf_amx_available", &taps::gguf::amx_available,
+        "whether the AMX tile kernel runs here: AMX-INT8, the tile permission, and its start-up check against VNNI");
   m.def("gguf_kernel_path", [] { return std::string(taps::gguf::kernel_path_name(taps::gguf::kernel_path())); },
-        "the block kernels gguf_linear and the GGUF forward run here: 'vnni', 'avx2' or 'scalar'");
+        "the block kernels gguf_linear and the GGUF forward run here: 'amx' (from 4 rows; VNNI below), 'vnni', "
+        "'avx2' or 'scalar' ('amx-emulated' where TAPS_GGUF_KERNELS asks for it)");
   m.def("gguf_forward_available", &taps::gguf::forward_available,
         "whether the GGUF forward runs here (AVX-512F, or AVX2 with FMA and F16C)");
   py::class_<GGUFModel>(m, "GGUFModel")

@@ -1,5 +1,6 @@
 // Few-row linear layer over GGUF blocks (see gguf_linear.h for the numerics and the packed layout).
 #include "gguf_linear.h"
+#include "gguf_linear_interleave.h"
 
 #include <algorithm>
 #include <cmath>
@@ -195,20 +196,6 @@ TAPS_VNNI_TARGET inline void prefetch_ahead(const uint8_t* rec, int64_t record_b
   for (int64_t l = 0; l < record_bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
 }
 
-// The activations of one call, block-interleaved: block kb of row m is 32 int8 at act[(kb * M + m) * 32],
-// its scale and float(asum) at meta[(kb * M + m) * 2 + {0, 1}], 128 * asum at asum128[kb * M + m].
-// Why: one pointer walks every row of a chunk at fixed offsets (per-row pointers spilled to the stack at 8
-// rows), and float(asum) is a ready broadcast operand instead of a convert + broadcast per row and block.
-// float(asum) is exact (|asum| <= 32 * 127), so the bits are those of the row-major plain loop. The 211
-// SmolLM2 matrices, one thread, AMD Zen 4 (the other core busy), best of 9, at 1 / 4 / 8 / 16 rows:
-// 4.3-6.4 / 5.8-7.5 / 10.2-11.7 / 20.0 ms with per-row pointers, 3.7-4.2 / 5.0-5.2 / 8.5-8.9 / 17.4-17.7 ms so.
-struct Interleaved {
-  const int8_t* act;
-  const float* meta;
-  const int32_t* asum128;
-  int64_t M;
-};
-
 typedef int32_t __attribute__((may_alias, aligned(1))) dword;  // 4 activation bytes, read as one
 
 // Rows m0 .. m0 + MC of x over one group of 16 output rows; rows past N are masked out of the store. The steps
@@ -332,22 +319,7 @@ TAPS_VNNI_TARGET void packed_linear_vnni(BlockType t, const uint8_t* packed, int
                                              group_q8_0<12>};
   const GroupFn* fns = t == BlockType::Q4_1 ? q41 : q80;
   const int64_t KB = K / kBlock, rec = record_bytes(t);
-  // interleaved per call (M * K bytes: a small fraction of the call's N * K * M multiply-adds)
-  thread_local std::vector<int8_t> act;
-  thread_local std::vector<float> meta;
-  thread_local std::vector<int32_t> a128;
-  act.resize(static_cast<size_t>(M * K));
-  meta.resize(static_cast<size_t>(M * KB * 2));
-  a128.resize(static_cast<size_t>(M * KB));
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(act.data() + (kb * M + m) * kBlock, a + m * K + kb * kBlock, kBlock);
-      meta[(kb * M + m) * 2] = scale[m * KB + kb];
-      meta[(kb * M + m) * 2 + 1] = static_cast<float>(asum[m * KB + kb]);
-      a128[kb * M + m] = asum[m * KB + kb] * 128;
-    }
-  }
-  const Interleaved x{act.data(), meta.data(), a128.data(), M};
+  const Interleaved x = interleave_activations(a, scale, asum, M, K);
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
     const __mmask16 store = static_cast<__mmask16>((1u << live) - 1u);
@@ -363,6 +335,27 @@ TAPS_VNNI_TARGET void packed_linear_vnni(BlockType t, const uint8_t* packed, int
 
 }  // namespace
 
+Interleaved interleave_activations(const int8_t* a, const float* scale, const int32_t* asum, int64_t M, int64_t K) {
+  // per call: M * K bytes, a small fraction of the call's N * K * M multiply-adds
+  const int64_t KB = K / kBlock;
+  thread_local std::vector<int8_t> act;
+  thread_local std::vector<float> meta;
+  thread_local std::vector<int32_t> a128;
+  act.resize(static_cast<size_t>(M * K + kActTailRows * kBlock));
+  std::memset(act.data() + M * K, 0, kActTailRows * kBlock);
+  meta.resize(static_cast<size_t>(M * KB * 2));
+  a128.resize(static_cast<size_t>(M * KB));
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(act.data() + (kb * M + m) * kBlock, a + m * K + kb * kBlock, kBlock);
+      meta[(kb * M + m) * 2] = scale[m * KB + kb];
+      meta[(kb * M + m) * 2 + 1] = static_cast<float>(asum[m * KB + kb]);
+      a128[kb * M + m] = asum[m * KB + kb] * 128;
+    }
+  }
+  return {act.data(), meta.data(), a128.data(), M};
+}
+
 bool vnni_available() {
 #ifdef TAPS_HAVE_VNNI_PATH
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -376,28 +369,51 @@ bool vnni_available() {
 
 KernelPath kernel_path() {
   static const KernelPath p = [] {
-    const KernelPath best = vnni_available() ? KernelPath::Vnni : avx2_available() ? KernelPath::Avx2
-                                                                                   : KernelPath::Scalar;
-    // TAPS_GGUF_KERNELS=avx2 or =scalar runs a slower path on a CPU that has a faster one (to test it there)
+    const KernelPath best = amx_available()    ? KernelPath::Amx
+                            : vnni_available() ? KernelPath::Vnni
+                            : avx2_available() ? KernelPath::Avx2
+                                               : KernelPath::Scalar;
+    // TAPS_GGUF_KERNELS names a slower path to run on a CPU that has a faster one (to test it there)
     const char* env = std::getenv("TAPS_GGUF_KERNELS");
     const std::string want = env ? env : "";
     if (want == "scalar") return KernelPath::Scalar;
-    if (want == "avx2" && best == KernelPath::Vnni) return KernelPath::Avx2;
+    if (want == "avx2" && best >= KernelPath::Vnni) return KernelPath::Avx2;
+    if (want == "vnni" && best >= KernelPath::Vnni) return KernelPath::Vnni;
+    if (want == "amx-emulated" && best >= KernelPath::Vnni) return KernelPath::AmxEmulated;
     return best;
   }();
   return p;
 }
 
 const char* kernel_path_name(KernelPath p) {
-  return p == KernelPath::Vnni ? "vnni" : p == KernelPath::Avx2 ? "avx2" : "scalar";
+  switch (p) {
+    case KernelPath::Amx: return "amx";
+    case KernelPath::AmxEmulated: return "amx-emulated";
+    case KernelPath::Vnni: return "vnni";
+    case KernelPath::Avx2: return "avx2";
+    default: return "scalar";
+  }
 }
+
+namespace {
+
+// `path` where this CPU runs it, else the next slower path it runs (never kernel_path(): amx_available() calls
+// this from its start-up check).
+KernelPath runnable(KernelPath path) {
+  if (path == KernelPath::Amx && !amx_available()) path = KernelPath::Vnni;
+  if ((path == KernelPath::Vnni || path == KernelPath::AmxEmulated) && !vnni_available()) path = KernelPath::Avx2;
+  if (path == KernelPath::Avx2 && !avx2_available()) path = KernelPath::Scalar;
+  return path;
+}
+
+}  // namespace
 
 void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
                           KernelPath path) {
-  if (path == KernelPath::Vnni && !vnni_available()) path = kernel_path();
-  if (path == KernelPath::Avx2 && !avx2_available()) path = KernelPath::Scalar;
-  switch (path) {
+  switch (runnable(path)) {
 #ifdef TAPS_HAVE_VNNI_PATH
+    case KernelPath::Amx:
+    case KernelPath::AmxEmulated:
     case KernelPath::Vnni: quantize_activations_avx512(x, M, K, a, scale, asum); return;
 #endif
     case KernelPath::Avx2: quantize_activations_avx2(x, M, K, a, scale, asum); return;
@@ -407,10 +423,14 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float
 
 void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a, const float* scale,
                    const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1, KernelPath path) {
-  if (path == KernelPath::Vnni && !vnni_available()) path = kernel_path();
-  if (path == KernelPath::Avx2 && !avx2_available()) path = KernelPath::Scalar;
+  path = runnable(path);
+  if (path == KernelPath::Amx && M < kAmxMinRows) path = KernelPath::Vnni;
   switch (path) {
 #ifdef TAPS_HAVE_VNNI_PATH
+    case KernelPath::Amx:
+    case KernelPath::AmxEmulated:
+      packed_linear_amx(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1, path == KernelPath::AmxEmulated);
+      return;
     case KernelPath::Vnni: packed_linear_vnni(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1); return;
 #endif
     case KernelPath::Avx2: packed_linear_avx2(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1); return;

@@ -35,13 +35,16 @@ enum class BlockType : int { Q4_1 = 3, Q8_0 = 8 };
 constexpr int64_t kBlock = 32;      // elements per block (both types)
 constexpr int64_t kGroupRows = 16;  // output rows per packed group
 
-// The kernels that quantize_activations and packed_linear run: by default kernel_path(), VNNI where the CPU
-// has it, else AVX2, else the plain loops (a path this CPU lacks falls back the same way); the environment
-// variable TAPS_GGUF_KERNELS=avx2|scalar asks for a slower one (read once per process). Every path gives the
-// same bits.
-enum class KernelPath : int { Scalar = 0, Avx2 = 1, Vnni = 2 };
+// The kernels that quantize_activations and packed_linear run: by default kernel_path(), AMX tiles where the CPU
+// has AMX-INT8 and passes amx_available()'s start-up check (from kAmxMinRows rows of x; fewer run VNNI), else
+// VNNI, else AVX2, else the plain loops (a path this CPU lacks falls back the same way). The environment
+// variable TAPS_GGUF_KERNELS=vnni|avx2|scalar asks for a slower one, and =amx-emulated for the AMX kernel with
+// its tile multiplies in plain loops (on CPUs with VNNI: to test that kernel there); read once per process.
+// Every path gives the same bits.
+enum class KernelPath : int { Scalar = 0, Avx2 = 1, Vnni = 2, Amx = 3, AmxEmulated = 4 };
+constexpr int64_t kAmxMinRows = 4;  // an estimate: below it a tile multiply is mostly idle rows (not measured)
 KernelPath kernel_path();
-const char* kernel_path_name(KernelPath p);  // "scalar", "avx2", "vnni"
+const char* kernel_path_name(KernelPath p);  // "scalar", "avx2", "vnni", "amx", "amx-emulated"
 
 // IEEE half -> float (exact: every half is a float); half_at reads the little-endian half at p.
 float half_to_float(uint16_t h);
@@ -85,9 +88,18 @@ void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N, int64_t K
                         const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
                         int64_t g1);
 
-// Whether this CPU runs the AVX-512 VNNI path / the AVX2 path (each probed once per process).
+// The AMX kernel (gguf_linear_amx.cpp) on rows [g0, g1) of groups, every row count through tiles; `emulated`:
+// the tile multiplies in plain loops (any CPU with AVX-512 VNNI). The same bits as the plain loops.
+void packed_linear_amx(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                       const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
+                       int64_t g1, bool emulated);
+
+// Whether this CPU runs the AVX-512 VNNI path / the AVX2 path / the AMX tiles (each probed once per process;
+// AMX: the CPU's flags, the kernel's permission for the tile state, and the tile kernel's result on random
+// blocks equal to the VNNI path's, checked in a child process).
 bool vnni_available();
 bool avx2_available();
+bool amx_available();
 
 
 }  // namespace gguf

@@ -298,17 +298,23 @@ def _cpu_int8_linear_backend() -> Tuple[str, str]:
 @functools.lru_cache(maxsize=None)
 def gguf_linear_backend() -> Tuple[str, str]:
     """``(path, why)`` of the GGUF block kernels (``csrc/gguf_linear.h``) and the GGUF target's forward on this
-    CPU: ``"vnni"`` (AVX-512 VNNI), ``"avx2"`` (vpmaddubsw sums that cannot saturate), ``"scalar"`` (the same
-    arithmetic in plain loops: exact, slow) or ``"unavailable"``; every path gives the same bits. AMX tiles are
-    not used (no AMX kernel is implemented)."""
+    CPU: ``"amx"`` (AMX-INT8 tiles from 4 rows, VNNI below; used after a start-up check against VNNI),
+    ``"vnni"`` (AVX-512 VNNI), ``"avx2"`` (vpmaddubsw sums that cannot saturate), ``"scalar"`` (the same
+    arithmetic in plain loops: exact, slow), ``"amx-emulated"`` (only where ``TAPS_GGUF_KERNELS`` asks for it) or
+    ``"unavailable"``; every path gives the same bits."""
     mod, why = load_extension("_C")
     if mod is None:
         return "unavailable", f"the C++ extension is not built ({why})"
-    flags = cpu_flags()
-    amx = "; this CPU has AMX-INT8, which no kernel here uses yet" if "amx_int8" in flags else ""
     if not mod.gguf_forward_available():
         return "unavailable", "the GGUF forward needs AVX-512F, or AVX2 with FMA and F16C; use the fp32 target format"
     path = mod.gguf_kernel_path()
+    amx = ("; this CPU reports AMX-INT8, but the tile kernel's start-up check (tile permission, result equal to "
+           "VNNI's in a child process) failed") if "amx_int8" in cpu_flags() and not mod.gguf_amx_available() else ""
+    if path == "amx":
+        return "amx", ("AMX-INT8 tiles (tdpbsud) over Q4_1 / Q8_0 blocks from 4 rows, VNNI below; passed its start-up "
+                       "check against VNNI")
+    if path == "amx-emulated":
+        return path, "the AMX kernel with its tile multiplies in plain loops (TAPS_GGUF_KERNELS; a test path)"
     if path == "vnni":
         return "vnni", "vpdpbusd over Q4_1 / Q8_0 blocks, int8 activations per 32-block" + amx
     if path == "avx2":

@@ -313,22 +313,25 @@ def test_prepare_drafter_falls_back_where_blocks_do_not_fit():
         prepare_drafter(tiny_drafter(vocab=VOCAB, target_layers=LAYERS), "cpu", body="int4")
 
 
-def test_avx2_forward_where_the_cpu_runs_a_faster_one():
-    # one process runs one set of kernels: on an AVX-512 CPU the AVX2 forward (block kernels and row math) is
-    # asked for through TAPS_GGUF_KERNELS in a child process, and must pass the row-invariance and lossless tests
+@pytest.mark.parametrize("kernels", ["avx2", "amx-emulated"])
+def test_other_kernels_in_a_child_process(kernels):
+    # one process runs one set of kernels: another set this CPU can run (the AVX2 forward, block kernels and row
+    # math, on an AVX-512 CPU; the AMX kernel with emulated tiles on a VNNI CPU) is asked for through
+    # TAPS_GGUF_KERNELS in a child process, and must pass the row-invariance and lossless tests
     import os
     import subprocess
     import sys
 
-    if _C.gguf_kernel_path() != "vnni":
-        pytest.skip(f"this CPU runs the {_C.gguf_kernel_path()} kernels in every test here already")
+    runs = {"scalar": [], "avx2": ["avx2"], "vnni": ["avx2", "amx-emulated"], "amx": ["avx2", "amx-emulated"]}
+    if kernels not in runs[_C.gguf_kernel_path()]:
+        pytest.skip(f"this CPU runs the {_C.gguf_kernel_path()} kernels; it cannot run {kernels} beside them")
     tests = ["test_forward_matches_reference", "test_prefill_equals_token_by_token",
              "test_tree_node_equals_the_token_decoded_alone", "test_batch_rows_equal_rows_alone",
              "test_lossless_against_the_reference_decoder"]
-    env = dict(os.environ, TAPS_GGUF_KERNELS="avx2")
+    env = dict(os.environ, TAPS_GGUF_KERNELS=kernels)
     probe = subprocess.run([sys.executable, "-c", "from taps_kernels import _C; print(_C.gguf_kernel_path())"],
                            env=env, capture_output=True, text=True, check=True)
-    assert probe.stdout.strip() == "avx2"
+    assert probe.stdout.strip() == kernels
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           " or ".join(tests)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -10,8 +10,10 @@ from taps_kernels.reference.gguf import (Q4_1, Q8_0, dequantize_blocks_reference
 
 _C = pytest.importorskip("taps_kernels._C")
 TYPES = [Q4_1, Q8_0]
-# every path this CPU runs (an AVX-512 VNNI CPU also has AVX2)
-PATHS = {"scalar": ["scalar"], "avx2": ["scalar", "avx2"], "vnni": ["scalar", "avx2", "vnni"]}[_C.gguf_kernel_path()]
+# every path this CPU runs (an AVX-512 VNNI CPU also has AVX2; "amx-emulated" is the AMX kernel with its tile
+# multiplies in plain loops, which runs wherever VNNI does)
+PATHS = {"scalar": ["scalar"], "avx2": ["scalar", "avx2"], "vnni": ["scalar", "avx2", "vnni", "amx-emulated"],
+         "amx": ["scalar", "avx2", "vnni", "amx-emulated", "amx"]}[_C.gguf_kernel_path()]
 
 
 def _raw(rows, cols, t, seed=0):
@@ -158,8 +160,12 @@ def test_bad_inputs_name_the_argument():
         _C.gguf_linear(torch.randn(2, 64, dtype=torch.float64), packed, Q4_1, 16, 64)
     with pytest.raises(ValueError, match="weight: expected shape"):
         _C.gguf_linear(torch.randn(2, 64), packed[:-1], Q4_1, 16, 64)  # packed bytes of another size
-    with pytest.raises(ValueError, match="path"):
-        _C.gguf_linear(torch.randn(2, 64), packed, Q4_1, 16, 64, "amx")
+    with pytest.raises(ValueError, match="path: expected 'auto', 'amx'"):
+        _C.gguf_linear(torch.randn(2, 64), packed, Q4_1, 16, 64, "int4")
+    for lacking in {"scalar": ["avx2", "vnni", "amx-emulated", "amx"], "avx2": ["vnni", "amx-emulated", "amx"],
+                    "vnni": ["amx"], "amx": []}[_C.gguf_kernel_path()]:
+        with pytest.raises(ValueError, match=f"path: '{lacking}' asked, but this CPU lacks"):
+            _C.gguf_linear(torch.randn(2, 64), packed, Q4_1, 16, 64, lacking)
     y = _C.gguf_linear(torch.randn(0, 64), packed, Q4_1, 16, 64)
     assert y.shape == (0, 16)
 
