@@ -30,7 +30,7 @@ class Tok:
 @pytest.fixture
 def setup(monkeypatch, tmp_path):
     target, drafter = tiny_target(seed=5, vocab=V), tiny_drafter(seed=5, vocab=V)
-    monkeypatch.setattr(taps.models.target, "load_target", lambda name: (target, Tok()))
+    monkeypatch.setattr(taps.models.target, "load_target", lambda name, target_format: (target, Tok()))
     monkeypatch.setattr(taps.models.drafter, "load_drafter", lambda path, target_config: drafter)
     monkeypatch.setattr(taps.models.drafter_prepare, "fast_head_dtype", lambda device: None)
     monkeypatch.setattr(taps.data, "stop_token_ids", lambda tok, model: [])
@@ -49,7 +49,7 @@ def _out(tmp_path, name):
 
 
 CONFIG = dict(num_prompts=3, prompts_per_shard=2, pool_size=12, top_k=5, lattice_k=3, max_new_tokens=8,
-              max_prompt_tokens=10, draft_dtype="float32", progress=False)
+              max_prompt_tokens=10, draft_dtype="float32", target_format="fp32", progress=False)
 
 
 def test_shards_hold_the_rounds_of_their_prompts(setup, tmp_path):
@@ -75,7 +75,7 @@ def test_shards_hold_the_rounds_of_their_prompts(setup, tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["pool_size"] == 12 and meta["top_k"] == 5 and meta["num_draft_positions"] == 4
     assert meta["drafter"]["sha256"] == tr.file_digest(drafter_dir / "model.safetensors")
-    assert meta["draft_dtype"] == "float32" and meta["decoding"] == "greedy"
+    assert meta["draft_dtype"] == "float32" and meta["decoding"] == "greedy" and meta["target_format"] == "fp32"
 
     # resume: finished shards are kept, nothing is traced again
     before = {p.name: p.stat().st_mtime_ns for p in shards}
@@ -91,6 +91,12 @@ def test_shards_hold_the_rounds_of_their_prompts(setup, tmp_path):
 
     with pytest.raises(ValueError, match="pool_size=12.*16"):
         tr.collect_traces(out, drafter_dir, tr.TraceConfig(**{**CONFIG, "pool_size": 16}))
+    # traces verified by another target format are another run's
+    (out / "meta.json").write_text(json.dumps({**meta, "target_format": "gguf"}))
+    with pytest.raises(ValueError, match="target_format='gguf'.*'fp32'"):
+        tr.collect_traces(out, drafter_dir, tr.TraceConfig(**CONFIG))
+    with pytest.raises(ValueError, match="TraceConfig.target_format: expected one of"):
+        tr.TraceConfig(target_format="int4")
 
 
 def test_workers_split_the_shards(setup, tmp_path):

@@ -37,7 +37,7 @@ def _cmd_traces(args):
                          top_k=args.top_k, lattice_k=args.lattice_k, max_new_tokens=args.max_new_tokens,
                          max_prompt_tokens=args.max_prompt_tokens, prompts_per_shard=args.prompts_per_shard,
                          seed=args.seed, exclude_prompts=args.exclude_prompts, chat_fraction=args.chat_fraction,
-                         draft_dtype=args.draft_dtype, threads=args.threads,
+                         draft_dtype=args.draft_dtype, target_format=args.target_format, threads=args.threads,
                          max_minutes=args.max_minutes, worker=args.worker, workers=args.workers)
     summ = collect_traces(args.out, str(d), config)
     print(json.dumps(summ, indent=1))
@@ -244,6 +244,8 @@ def add_subcommands(sub) -> None:
                    help="share of chat prompts written by the target itself (Magpie), e.g. 0.5")
     p.add_argument("--draft-dtype", choices=("auto", "blocks", "float32", "bfloat16"), default="auto",
                    help="drafter layers' dtype; auto drafts as the decoders do on this machine")
+    p.add_argument("--target-format", default="auto", choices=("auto", "gguf", "fp32"),
+                   help="the target that verifies the pools; auto: as the CLI decoders run it on this machine")
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--worker", type=int, default=0, help="this process takes shards s with s %% workers == worker")

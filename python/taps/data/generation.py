@@ -57,6 +57,17 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def generator_for(model, layer_ids: Sequence[int] = (), batch_size: int = 64):
+    """The batched generator of ``model``: :class:`taps.data.gguf_generation.GGUFGenerator` for a GGUF-format
+    target (``batch_size`` rows in one preallocated cache), else :class:`LlamaGenerator` (HF weights, its own
+    batching). ``layer_ids``: decoder layers whose outputs are captured."""
+    if getattr(model, "format", None) == "gguf":
+        from .gguf_generation import GGUFGenerator
+
+        return GGUFGenerator(model, layer_ids, batch_size=batch_size)
+    return LlamaGenerator(model, layer_ids)
+
+
 class LlamaGenerator:
     """Batched generation over the weights of an HF Llama causal LM (fp32, CPU or CUDA).
 

@@ -97,10 +97,10 @@ def chat_trace_prompts(out_dir, model, tokenizer, num_prompts: int, seed: int = 
     ``out_dir/magpie.jsonl`` (resumable). The sampling seed differs from the drafter data's (seed 0) and
     every turn that duplicates a prompt of ``exclude_file`` (same normalised text or leading words) is
     rejected, so the scorer is trained on requests the drafter never saw."""
-    from taps.data.generation import LlamaGenerator
+    from taps.data.generation import generator_for
     from taps.data.magpie import MagpieWriter
 
-    writer = MagpieWriter(out_dir, LlamaGenerator(model), tokenizer, seed=seed)
+    writer = MagpieWriter(out_dir, generator_for(model), tokenizer, seed=seed)
     if exclude_file and Path(exclude_file).is_file():
         writer.exclude(p["text"] for p in _read_jsonl(exclude_file) if p.get("kind") == "chat")
     return writer.ensure(num_prompts)[:num_prompts]
@@ -204,7 +204,9 @@ class TraceConfig:
     ``chat_fraction``: share of Magpie chat prompts (:func:`chat_trace_prompts`) among the code prompts.
     ``draft_dtype``: the drafter's body (:func:`taps.models.drafter.prepare_drafter`); ``"auto"`` drafts as the
     CLI decoders do on this machine (the block forward on AVX-512 VNNI CPUs), so the scorer is trained on the
-    hidden states it will read.
+    hidden states it will read. ``target_format``: the target that verifies the pools
+    (:func:`taps.models.target.resolve_target_format`; ``"auto"``: as the CLI decoders run it here), so the
+    acceptances are those of the target the scorer serves.
     """
 
     target: str = "smollm2"
@@ -219,6 +221,7 @@ class TraceConfig:
     exclude_prompts: Optional[str] = None
     chat_fraction: float = 0.0
     draft_dtype: str = "auto"
+    target_format: str = "auto"
     threads: Optional[int] = None
     max_minutes: Optional[float] = None
     progress: bool = True
@@ -233,6 +236,11 @@ class TraceConfig:
                 raise ValueError(f"TraceConfig.{name}: expected an integer >= 1, received {v!r}")
         if not 0.0 <= self.chat_fraction <= 1.0:
             raise ValueError(f"TraceConfig.chat_fraction: expected a number in [0, 1], received {self.chat_fraction!r}")
+        from taps.models.target import TARGET_FORMATS
+
+        if self.target_format not in TARGET_FORMATS:
+            raise ValueError(f"TraceConfig.target_format: expected one of {TARGET_FORMATS}, received "
+                             f"{self.target_format!r}")
         if self.draft_dtype not in ("auto", "blocks", "float32", "bfloat16"):
             raise ValueError(f"TraceConfig.draft_dtype: expected 'auto', 'blocks', 'float32' or 'bfloat16', "
                              f"received {self.draft_dtype!r}")
@@ -270,19 +278,20 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
 
     from taps.data import chat_prompt_ids, stop_token_ids
     from taps.models.drafter import load_decoding_drafter
-    from taps.models.target import load_target
+    from taps.models.target import load_target, resolve_target_format
     from taps.paths import portable_path
 
     if threads:
         torch.set_num_threads(threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model, tok = load_target(target)
+    fmt, _ = resolve_target_format(c.target_format, target)
+    model, tok = load_target(target, target_format=fmt)
     drafter = load_decoding_drafter(drafter_dir, model, body=c.draft_dtype)  # as the CLI decoders draft
     blocks = drafter.block_draft is not None
     body = "blocks" if blocks else str(next(drafter.parameters()).dtype).replace("torch.", "")
     ident = drafter_identity(drafter_dir)
-    meta = {"target": target, "drafter": ident, "pool_size": pool_size, "top_k": top_k, "lattice_k": lattice_k,
+    meta = {"target": target, "target_format": fmt, "drafter": ident, "pool_size": pool_size, "top_k": top_k, "lattice_k": lattice_k,
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
             "num_prompts": num_prompts, "prompts_per_shard": prompts_per_shard, "decoding": "greedy",
             "num_draft_positions": drafter.config.block_size - 1, "drafter_hidden": drafter.config.hidden_size,
@@ -292,8 +301,9 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
     meta_p = out / "meta.json"
     if meta_p.exists():
         old = json.loads(meta_p.read_text())
-        for k in ("target", "drafter", "pool_size", "top_k", "seed", "chat_fraction"):
-            if old.get(k, 0.0 if k == "chat_fraction" else None) != meta[k]:
+        before = {"chat_fraction": 0.0, "target_format": "fp32"}  # what directories without the key were made with
+        for k in ("target", "target_format", "drafter", "pool_size", "top_k", "seed", "chat_fraction"):
+            if old.get(k, before.get(k)) != meta[k]:
                 raise ValueError(f"{out}: holds traces with {k}={old.get(k)!r}, this run asks {meta[k]!r}; "
                                  f"use another --out")
     prompts = _prompt_list(out, c, model, tok)

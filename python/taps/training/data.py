@@ -296,14 +296,10 @@ def _sources(cfg: BuildDataConfig, out: Path, model, tok, layer_ids: List[int], 
              ef) -> _Sources:
     """The run's generator (:class:`GGUFGenerator` for ``gguf``, else :class:`LlamaGenerator`) and Magpie
     writer, with the rest of :class:`_Sources`."""
-    from taps.data.generation import LlamaGenerator
-    from taps.data.gguf_generation import GGUFGenerator
+    from taps.data.generation import generator_for
     from taps.data.magpie import MagpieWriter
 
-    if fmt == "gguf":
-        gen = GGUFGenerator(model, layer_ids, batch_size=cfg.batch_size)
-    else:
-        gen = LlamaGenerator(model, layer_ids)
+    gen = generator_for(model, layer_ids, batch_size=cfg.batch_size)
     magpie = MagpieWriter(out, gen, tok, eval_filter=ef, temperature=cfg.magpie_temperature,
                           max_tokens=cfg.magpie_max_tokens, batch_size=2 * cfg.batch_size, seed=cfg.seed)
     _, n_code, n_chat = shard_plan(cfg)
