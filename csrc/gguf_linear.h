@@ -101,6 +101,10 @@ bool vnni_available();
 bool avx2_available();
 bool amx_available();
 
+// Runs check() in a forked child process: true only when it returned true there (false, a crash or no fork on
+// this platform: false). How amx_available() tries the tile kernel without risking this process.
+bool passes_in_child(bool (*check)());
+
 
 }  // namespace gguf
 }  // namespace taps

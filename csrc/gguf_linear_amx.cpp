@@ -245,16 +245,17 @@ bool hardware_matches_vnni() {
 
 }  // namespace
 
+bool passes_in_child(bool (*check)()) {
+  const pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid == 0) _exit(check() ? 0 : 1);  // _exit: the child runs no atexit handlers or destructors of the parent's
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
 bool amx_available() {
-  static const bool ok = [] {
-    if (!vnni_available() || !amx_cpu_and_permission()) return false;
-    const pid_t pid = fork();
-    if (pid < 0) return false;
-    if (pid == 0) _exit(hardware_matches_vnni() ? 0 : 1);
-    int status = 0;
-    if (waitpid(pid, &status, 0) != pid) return false;
-    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }();
+  static const bool ok = vnni_available() && amx_cpu_and_permission() && passes_in_child(hardware_matches_vnni);
   return ok;
 }
 
@@ -268,6 +269,8 @@ void packed_linear_amx(BlockType t, const uint8_t* packed, int64_t N, int64_t K,
   }
 }
 #else
+bool passes_in_child(bool (*)()) { return false; }
+
 bool amx_available() { return false; }
 
 void packed_linear_amx(BlockType, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*,
