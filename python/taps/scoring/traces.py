@@ -291,7 +291,8 @@ def collect_traces(out_dir, drafter_dir, config: Optional[TraceConfig] = None) -
     blocks = drafter.block_draft is not None
     body = "blocks" if blocks else str(next(drafter.parameters()).dtype).replace("torch.", "")
     ident = drafter_identity(drafter_dir)
-    meta = {"target": target, "target_format": fmt, "drafter": ident, "pool_size": pool_size, "top_k": top_k, "lattice_k": lattice_k,
+    meta = {"target": target, "target_format": fmt, "drafter": ident, "pool_size": pool_size, "top_k": top_k,
+            "lattice_k": lattice_k,
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
             "num_prompts": num_prompts, "prompts_per_shard": prompts_per_shard, "decoding": "greedy",
             "num_draft_positions": drafter.config.block_size - 1, "drafter_hidden": drafter.config.hidden_size,
