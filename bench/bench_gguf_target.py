@@ -4,7 +4,8 @@ torch fp32 / bf16 / int8 (fbgemm dynamic) linear layers over the same matrices a
 target: decode (1 node) and verifies of n-node trees (chains and bushy trees).
 
 Prints both tables and writes JSON (default ``bench/results/gguf_target_cpu.json``); every record names the
-CPU and whether the VNNI path ran. Medians of repeated calls.
+CPU and the block-kernel path that ran (``kernel_path``); ``--compare-path`` adds a column for a slower path of
+the same CPU (on an AMX CPU: ``--compare-path vnni``, the two side by side). Medians of repeated calls.
 """
 import argparse
 import json
@@ -22,7 +23,7 @@ def _stream_floor_ms(nbytes: int, repeats: int) -> float:
     return _median_ms(lambda: buf.sum(), repeats)
 
 
-def kernel_table(rows, repeats):
+def kernel_table(rows, repeats, compare_path=None):
     from gguf import GGUFReader
 
     from taps.models.target import find_smollm2_gguf
@@ -54,6 +55,9 @@ def kernel_table(rows, repeats):
                "fp32_ms": _median_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in fp32], repeats),
                "bf16_ms": _median_ms(lambda: [torch.nn.functional.linear(xb[w.shape[1]], w) for w in bf16], repeats),
                "int8_fbgemm_ms": _median_ms(lambda: [m(xs[m.in_features]) for m in int8], repeats)}
+        if compare_path:  # another block-kernel path of this CPU over the same matrices (same bits, other units)
+            rec[f"{compare_path}_ms"] = _median_ms(
+                lambda: [_C.gguf_linear(xs[k], p, t, n, k, compare_path) for p, t, n, k in mats], repeats)
         rec["gguf_GBps"] = nbytes / rec["gguf_ms"] / 1e6
         rec["gguf_GOPs"] = 2 * macs * M / rec["gguf_ms"] / 1e6
         out.append(rec)
@@ -101,6 +105,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 HF target in the step table")
+    ap.add_argument("--compare-path", default=None, choices=["vnni", "avx2", "scalar"],
+                    help="also time the block kernels through this slower path (e.g. vnni on an AMX CPU)")
     ap.add_argument("--out", default="bench/results/gguf_target_cpu.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,15 +115,17 @@ def main():
 
     torch.set_grad_enabled(False)
     res = {"cpu": cpu_name(), "threads": args.threads, "kernel_path": _C.gguf_kernel_path(),
-           "kernels": kernel_table([int(r) for r in args.rows.split(",")], args.repeats)}
+           "kernels": kernel_table([int(r) for r in args.rows.split(",")], args.repeats, args.compare_path)}
     k = res["kernels"]
     print(f"# {res['cpu']}, {args.threads} thread(s), {res['kernel_path']} kernels: "
           f"all {k['matrices']} matrices of SmolLM2 "
           f"({k['bytes'] / 1e6:.1f} MB of blocks; streaming them once: {k['stream_floor_ms']:.2f} ms)")
-    print(f"{'rows':>5} {'gguf ms':>8} {'GB/s':>6} {'GOP/s':>7} {'fp32 ms':>8} {'bf16 ms':>8} {'int8 ms':>8}")
+    other = f"{args.compare_path}_ms" if args.compare_path else None
+    print(f"{'rows':>5} {'gguf ms':>8} {'GB/s':>6} {'GOP/s':>7} {'fp32 ms':>8} {'bf16 ms':>8} {'int8 ms':>8}"
+          + (f" {other:>9}" if other else ""))
     for r in k["rows"]:
         print(f"{r['rows']:>5} {r['gguf_ms']:>8.2f} {r['gguf_GBps']:>6.1f} {r['gguf_GOPs']:>7.0f} {r['fp32_ms']:>8.2f} "
-              f"{r['bf16_ms']:>8.2f} {r['int8_fbgemm_ms']:>8.2f}")
+              f"{r['bf16_ms']:>8.2f} {r['int8_fbgemm_ms']:>8.2f}" + (f" {r[other]:>9.2f}" if other else ""))
     res["prefix"] = args.prefix
     res["steps"] = step_table([int(n) for n in args.nodes.split(",")], args.prefix, args.repeats, not args.no_fp32)
     print(f"\n# target step, prefix {args.prefix}: one verify forward (logits + the drafter's 5 feature layers)")
