@@ -22,6 +22,7 @@
 #include "gguf_linear_interleave.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <random>
 #include <stdexcept>
@@ -77,6 +78,10 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+
+// the layout ldtilecfg reads (palette 1): byte 0 palette, 1 start row, 16..47 colsb, 48..63 rows
+static_assert(sizeof(TileConfig) == 64 && offsetof(TileConfig, colsb) == 16 && offsetof(TileConfig, rows) == 48,
+              "TileConfig must be the 64-byte palette-1 layout");
 
 struct HardwareTiles {
   TAPS_AMX_TILES static void begin() {
