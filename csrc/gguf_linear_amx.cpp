@@ -29,17 +29,20 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include <cpuid.h>
 #include <immintrin.h>
+#define TAPS_HAVE_AMX_PATH 1
+#endif
+#if defined(TAPS_HAVE_AMX_PATH) && defined(__linux__)  // the tile permission and the check's child process
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#define TAPS_HAVE_AMX_PATH 1
+#define TAPS_HAVE_AMX_CHECK 1
 #endif
 
 namespace taps {
@@ -207,6 +210,7 @@ void packed_linear_tiles(BlockType t, const uint8_t* packed, int64_t N, int64_t 
   Tiles::end();
 }
 
+#ifdef TAPS_HAVE_AMX_CHECK
 // CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-INT8 (bit 25); the kernel grants the tile data state on request.
 bool amx_cpu_and_permission() {
   unsigned eax, ebx, ecx, edx;
@@ -247,9 +251,11 @@ bool hardware_matches_vnni() {
   }
   return true;
 }
+#endif
 
 }  // namespace
 
+#ifdef TAPS_HAVE_AMX_CHECK
 bool passes_in_child(bool (*check)()) {
   const pid_t pid = fork();
   if (pid < 0) return false;
@@ -263,6 +269,11 @@ bool amx_available() {
   static const bool ok = vnni_available() && amx_cpu_and_permission() && passes_in_child(hardware_matches_vnni);
   return ok;
 }
+#else
+bool passes_in_child(bool (*)()) { return false; }
+
+bool amx_available() { return false; }  // the hardware tiles run only where the check can run first
+#endif
 
 void packed_linear_amx(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
                        const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
@@ -280,7 +291,7 @@ bool amx_available() { return false; }
 
 void packed_linear_amx(BlockType, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*,
                        int64_t, float*, int64_t, int64_t, int64_t, bool) {
-  throw std::logic_error("packed_linear_amx: not an x86-64 Linux build");
+  throw std::logic_error("packed_linear_amx: not an x86-64 build");
 }
 #endif
 
