@@ -26,8 +26,6 @@ namespace {
 
 constexpr int64_t kQ41Bytes = 20;   // fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int64_t kQ80Bytes = 34;   // fp16 d, 32 int8
-constexpr int64_t kQ41Record = 320;
-constexpr int64_t kQ80Record = 544;
 
 }  // namespace
 

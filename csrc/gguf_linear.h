@@ -34,6 +34,8 @@ enum class BlockType : int { Q4_1 = 3, Q8_0 = 8 };
 
 constexpr int64_t kBlock = 32;      // elements per block (both types)
 constexpr int64_t kGroupRows = 16;  // output rows per packed group
+constexpr int64_t kQ41Record = 320;  // bytes of one packed record (kGroupRows rows, one block): layout above
+constexpr int64_t kQ80Record = 544;
 
 // The kernels that quantize_activations and packed_linear run: by default kernel_path(), AMX tiles where the CPU
 // has AMX-INT8 and passes amx_available()'s start-up check (from kAmxMinRows rows of x; fewer run VNNI), else

@@ -129,14 +129,11 @@ TAPS_AMX_FLOAT inline void unpack_q4_1(const uint8_t* rec, uint8_t* b) {
   }
 }
 
-template <BlockType T>
-constexpr int64_t record_size() { return T == BlockType::Q4_1 ? 320 : 544; }
-
 // C of block kb for the 16 rows of x from m0, through tile set `set` (B of a Q4_1 record unpacked into b).
 template <class Tiles, BlockType T>
 TAPS_AMX_FLOAT inline void multiply_block(const uint8_t* rec, int64_t kb, const Interleaved& x, int64_t m0,
                                           uint8_t* b, int32_t* c, int set) {
-  const uint8_t* w = rec + kb * record_size<T>();
+  const uint8_t* w = rec + kb * (T == BlockType::Q4_1 ? kQ41Record : kQ80Record);
   if (T == BlockType::Q4_1) {
     unpack_q4_1(w, b);
     w = b;
@@ -156,7 +153,7 @@ TAPS_AMX_FLOAT void group_rows(const uint8_t* rec, int64_t KB, const Interleaved
   for (int64_t kb = 0; kb < KB; ++kb) {
     const int set = static_cast<int>(kb & 1);
     if (kb + 1 < KB) multiply_block<Tiles, T>(rec, kb + 1, x, m0, b[set ^ 1], c[set ^ 1], set ^ 1);
-    const uint8_t* r = rec + kb * record_size<T>();
+    const uint8_t* r = rec + kb * (T == BlockType::Q4_1 ? kQ41Record : kQ80Record);
     const float* meta = x.meta + (kb * x.M + m0) * 2;
     if (T == BlockType::Q4_1) {
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 256)));
