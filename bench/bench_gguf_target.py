@@ -1,7 +1,9 @@
 """The GGUF target on this CPU: (1) the block kernels over all of SmolLM2's 211 matrices at M rows, against
 torch fp32 / bf16 / int8 (fbgemm dynamic) linear layers over the same matrices and the streaming floor;
 (2) a target step (one thread, a prefix of ``--prefix`` tokens) of the GGUF forward against the fp32 HF
-target: decode (1 node) and verifies of n-node trees (chains and bushy trees).
+target: decode (1 node) and verifies of n-node trees (chains and bushy trees); (3) a batched decode step as data
+generation runs it (``--batch`` rows, each its own prefix of random keys and values, one new token each) with
+the float16 cache the format defines against a float32 one: ms per row at each prefix length.
 
 Prints both tables and writes JSON (default ``bench/results/gguf_target_cpu.json``); every record names the
 CPU and the block-kernel path that ran (``kernel_path``); ``--compare-path`` adds a column for a slower path of
@@ -97,6 +99,34 @@ def step_table(nodes, prefix, repeats, with_fp32):
     return out
 
 
+def batch_decode_table(batch, prefixes, repeats):
+    """ms per row of one decode step over ``batch`` rows at each prefix, float32 and float16 caches interleaved."""
+    from taps.decode.gguf_verifier import chain_bits
+    from taps.models.gguf_target import load_gguf_target
+    from taps.models.target import find_smollm2_gguf
+
+    targets = {str(dt).replace("torch.", ""): load_gguf_target(find_smollm2_gguf(), kv_dtype=dt)
+               for dt in (torch.float32, torch.float16)}
+    c = targets["float16"].config
+    gen = torch.Generator().manual_seed(0)
+    none, rows = torch.zeros(0, dtype=torch.int64), torch.arange(batch)
+    bits = chain_bits(1).expand(batch, 1, 1).contiguous()
+    out = []
+    for P in prefixes:
+        rec = {"batch": batch, "prefix": P}
+        shape = (batch, c.num_key_value_heads, P + 1, c.head_dim)
+        cache = [torch.randn(shape, generator=gen) for _ in range(2 * c.num_hidden_layers)]
+        tok = torch.randint(0, c.vocab_size, (batch, 1), generator=gen)
+        pos, pre = torch.full((batch, 1), P), torch.full((batch,), P)
+        for name, t in targets.items():
+            kv = [x.to(t.kv_dtype) for x in cache]
+            L = c.num_hidden_layers
+            rec[f"{name}_ms_per_row"] = _median_ms(
+                lambda: t.forward_rows(tok, pos, pre, rows, bits, kv[:L], kv[L:], none, rows), repeats) / batch
+        out.append(rec)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
@@ -105,6 +135,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 HF target in the step table")
+    ap.add_argument("--batch", type=int, default=64, help="rows of the batched decode table (0: skip it)")
+    ap.add_argument("--batch-prefixes", default="16,150,300,450")
     ap.add_argument("--compare-path", default=None, choices=["vnni", "avx2", "scalar"],
                     help="also time the block kernels through this slower path (e.g. vnni on an AMX CPU)")
     ap.add_argument("--out", default="bench/results/gguf_target_cpu.json")
@@ -133,6 +165,13 @@ def main():
     base = {s["format"]: s["ms"] for s in res["steps"] if s["nodes"] == 1}
     for s in res["steps"]:
         print(f"{s['format']:>6} {s['nodes']:>5} {s['shape']:>6} {s['ms']:>8.2f} {s['ms'] / base[s['format']]:>8.2f}")
+    if args.batch:
+        res["batch_decode"] = batch_decode_table(args.batch, [int(p) for p in args.batch_prefixes.split(",")],
+                                                 max(3, args.repeats // 2))
+        print(f"\n# gguf decode step over {args.batch} rows, each its own prefix: ms per row by KV cache dtype")
+        print(f"{'prefix':>6} {'float32':>8} {'float16':>8}")
+        for r in res["batch_decode"]:
+            print(f"{r['prefix']:>6} {r['float32_ms_per_row']:>8.3f} {r['float16_ms_per_row']:>8.3f}")
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")

@@ -2,8 +2,10 @@
 documentation strings on this machine, never HumanEval or MT-Bench): teacher-forced top-1 agreement of the
 two formats' next-token choices, each format's perplexity, and the largest logit difference.
 
-Both formats read the same Q4_1 / Q8_0 blocks; they differ only in the GGUF forward's int8 activations per
-32-block (and its float32 reduction orders). Writes JSON (default ``bench/results/gguf_quality_cpu.json``).
+Both formats read the same Q4_1 / Q8_0 blocks; they differ in the GGUF forward's int8 activations per 32-block,
+its float16 KV cache (and its float32 reduction orders). The GGUF forward with a float32 cache is measured too
+(``gguf_f32_cache``), so the cache's share of the difference is on record. Writes JSON (default
+``bench/results/gguf_quality_cpu.json``).
 """
 import argparse
 import json
@@ -44,35 +46,44 @@ def main():
     torch.set_grad_enabled(False)
     from taps.decode.gguf_verifier import chain_bits
     from taps.decode.latency import cpu_name
+    from taps.models.gguf_target import load_gguf_target
     from taps.models.target import load_target
 
     fp32, tok = load_target("smollm2", target_format="fp32", linear_kernel="torch")
     gguf, _ = load_target("smollm2", target_format="gguf")
+    gguf_f32_cache = load_gguf_target(gguf.path, kv_dtype=torch.float32)
     cfg = gguf.config
-    agree = total = 0
-    nll = {"fp32": 0.0, "gguf": 0.0}
+    agree = agree_cache = total = 0
+    nll = {"fp32": 0.0, "gguf": 0.0, "gguf_f32_cache": 0.0}
     max_diff = 0.0
+
+    def run(target, x):
+        T = x.shape[1]
+        shape = (1, cfg.num_key_value_heads, T, cfg.head_dim)
+        keys = [torch.zeros(shape, dtype=target.kv_dtype) for _ in range(cfg.num_hidden_layers)]
+        values = [torch.zeros(shape, dtype=target.kv_dtype) for _ in range(cfg.num_hidden_layers)]
+        return target.forward_rows(x, torch.arange(T)[None], torch.zeros(1, dtype=torch.int64),
+                                   torch.zeros(1, dtype=torch.int64), chain_bits(T), keys, values,
+                                   torch.zeros(0, dtype=torch.int64), torch.arange(T))[0]
+
     for ids in chunks(tok, args.length, args.chunks):
         T = len(ids)
         x = torch.tensor([ids])
         ref = fp32(x).logits[0].float()
-        shape = (1, cfg.num_key_value_heads, T, cfg.head_dim)
-        keys = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
-        values = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
-        got, _ = gguf.forward_rows(x, torch.arange(T)[None], torch.zeros(1, dtype=torch.int64),
-                                   torch.zeros(1, dtype=torch.int64), chain_bits(T), keys, values,
-                                   torch.zeros(0, dtype=torch.int64), torch.arange(T))
+        got, got_f32_cache = run(gguf, x), run(gguf_f32_cache, x)
         agree += int((ref[:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
+        agree_cache += int((got_f32_cache[:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
         total += T - 1
         nxt = x[0, 1:]
-        for name, lg in (("fp32", ref), ("gguf", got)):
+        for name, lg in (("fp32", ref), ("gguf", got), ("gguf_f32_cache", got_f32_cache)):
             nll[name] += float(torch.nn.functional.cross_entropy(lg[:-1], nxt, reduction="sum"))
         max_diff = max(max_diff, float((ref - got).abs().max()))
     ppl = {k: math.exp(v / total) for k, v in nll.items()}
     res = {"cpu": cpu_name(), "tokens": total, "chunks": args.chunks, "chunk_tokens": args.length,
            "text": "Python standard library sources: " + ", ".join(FILES),
+           "kv_dtype": str(gguf.kv_dtype).replace("torch.", ""),
            "top1_agreement": agree / total, "perplexity": ppl, "perplexity_ratio": ppl["gguf"] / ppl["fp32"],
-           "max_abs_logit_diff": max_diff}
+           "max_abs_logit_diff": max_diff, "top1_agreement_with_f32_cache": agree_cache / total}
     print(json.dumps(res, indent=1))
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1)

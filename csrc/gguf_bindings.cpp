@@ -216,7 +216,7 @@ class GGUFModel {
   }
 
   // tokens/positions [B, N] i64, prefix_lens/cache_rows [B] i64, bits [B, N, W] i32, keys/values: one
-  // [R, kv_heads, capacity, head_dim] f32 per layer (written in place at prefix + j), feature_layers [F] i64,
+  // [R, kv_heads, capacity, head_dim] f32 or f16 per layer (written in place at prefix + j), feature_layers [F] i64,
   // logit_rows [n] i64 -> (logits [n, head rows] f32, features [B, N, F * hidden] f32)
   std::vector<at::Tensor> forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& prefix_lens,
                                   const at::Tensor& cache_rows, const at::Tensor& bits, const std::vector<at::Tensor>& keys,
@@ -234,9 +234,9 @@ class GGUFModel {
     check_arg(feature_layers, "feature_layers", {at::kLong}, {-1});
     check_arg(logit_rows, "logit_rows", {at::kLong}, {-1});
     const int64_t L = static_cast<int64_t>(w_.layers.size());
-    std::vector<float*> kp, vp;
-    int64_t R = 0, cap = 0;
-    cache_pointers(keys, values, kp, vp, R, cap);
+    taps::gguf::ForwardBatch f;
+    std::vector<void*> kp, vp;
+    cache_pointers(keys, values, kp, vp, f);
     const at::Tensor tok = tokens.contiguous(), pos = positions.contiguous(), pre = prefix_lens.contiguous(),
                      rows = cache_rows.contiguous(), bt = bits.contiguous(), fl = feature_layers.contiguous(),
                      lr = logit_rows.contiguous();
@@ -249,12 +249,10 @@ class GGUFModel {
     }
     at::Tensor logits = at::empty({lr.numel(), w_.head.rows}, tokens.options().dtype(at::kFloat));
     at::Tensor feats = at::empty({B, N, fl.numel() * w_.hidden}, tokens.options().dtype(at::kFloat));
-    taps::gguf::ForwardBatch f;
     f.B = B, f.N = N;
     f.tokens = tok.data_ptr<int64_t>(), f.positions = pos.data_ptr<int64_t>();
     f.prefix_lens = pre.data_ptr<int64_t>(), f.cache_rows = rows.data_ptr<int64_t>();
     f.bits = bt.data_ptr<int32_t>(), f.words = (N + 31) / 32;
-    f.keys = kp.data(), f.values = vp.data(), f.cache_batch = R, f.capacity = cap;
     f.feature_layers = flp, f.n_features = fl.numel(), f.features = feats.data_ptr<float>();
     f.logit_rows = lr.data_ptr<int64_t>(), f.n_logit_rows = lr.numel(), f.logits = logits.data_ptr<float>();
     try {
@@ -274,16 +272,14 @@ class GGUFModel {
     const int64_t B = hidden.size(0), N = hidden.size(1);
     check_arg(prefix_lens, "prefix_lens", {at::kLong}, {B});
     check_arg(cache_rows, "cache_rows", {at::kLong}, {B});
-    std::vector<float*> kp, vp;
-    int64_t R = 0, cap = 0;
-    cache_pointers(keys, values, kp, vp, R, cap);
+    taps::gguf::ForwardBatch f;
+    std::vector<void*> kp, vp;
+    cache_pointers(keys, values, kp, vp, f);
     const at::Tensor h = hidden.contiguous(), pre = prefix_lens.contiguous(), rows = cache_rows.contiguous();
     const at::Tensor pos = (pre.unsqueeze(1) + at::arange(N, pre.options())).contiguous();
-    taps::gguf::ForwardBatch f;
     f.B = B, f.N = N;
     f.positions = pos.data_ptr<int64_t>(), f.prefix_lens = pre.data_ptr<int64_t>(),
     f.cache_rows = rows.data_ptr<int64_t>();
-    f.keys = kp.data(), f.values = vp.data(), f.cache_batch = R, f.capacity = cap;
     try {
       py::gil_scoped_release no_gil;
       taps::gguf::context_kv(w_, h.data_ptr<float>(), f, torch_parallel());
@@ -339,28 +335,30 @@ class GGUFModel {
   }
 
  private:
-  // One contiguous float32 [R, kv_heads, capacity, head_dim] cache tensor per layer, all of the same shape.
+  // One contiguous [R, kv_heads, capacity, head_dim] cache tensor per layer, all of one shape and one dtype
+  // (float32 or float16): f's keys, values, cache_type, cache_batch and capacity (kp / vp hold the pointers).
   void cache_pointers(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                      std::vector<float*>& kp, std::vector<float*>& vp, int64_t& R, int64_t& cap) const {
+                      std::vector<void*>& kp, std::vector<void*>& vp, taps::gguf::ForwardBatch& f) const {
     const int64_t L = static_cast<int64_t>(w_.layers.size());
     if (static_cast<int64_t>(keys.size()) != L || static_cast<int64_t>(values.size()) != L) {
       throw py::value_error("keys/values: expected one cache tensor per layer (" + std::to_string(L) + "), received " +
                             std::to_string(keys.size()) + " / " + std::to_string(values.size()));
     }
     kp.assign(L, nullptr), vp.assign(L, nullptr);
+    check_arg(keys[0], "keys[0]", {at::kFloat, at::kHalf}, {-1, w_.kv_heads, -1, w_.head_dim});
+    const at::ScalarType dtype = keys[0].scalar_type();
+    const int64_t R = keys[0].size(0), cap = keys[0].size(2);
     for (int64_t l = 0; l < L; ++l) {
       const std::string kn = "keys[" + std::to_string(l) + "]", vn = "values[" + std::to_string(l) + "]";
-      if (l == 0) {
-        check_arg(keys[0], kn, {at::kFloat}, {-1, w_.kv_heads, -1, w_.head_dim});
-        R = keys[0].size(0), cap = keys[0].size(2);
-      }
-      check_arg(keys[l], kn, {at::kFloat}, {R, w_.kv_heads, cap, w_.head_dim});
-      check_arg(values[l], vn, {at::kFloat}, {R, w_.kv_heads, cap, w_.head_dim});
+      check_arg(keys[l], kn, {dtype}, {R, w_.kv_heads, cap, w_.head_dim});
+      check_arg(values[l], vn, {dtype}, {R, w_.kv_heads, cap, w_.head_dim});
       check_contiguous(keys[l], kn);
       check_contiguous(values[l], vn);
-      kp[l] = keys[l].data_ptr<float>();
-      vp[l] = values[l].data_ptr<float>();
+      kp[l] = keys[l].data_ptr();
+      vp[l] = values[l].data_ptr();
     }
+    f.keys = kp.data(), f.values = vp.data(), f.cache_batch = R, f.capacity = cap;
+    f.cache_type = dtype == at::kHalf ? taps::gguf::CacheType::F16 : taps::gguf::CacheType::F32;
   }
 
   taps::gguf::ModelWeights w_;

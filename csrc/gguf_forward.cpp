@@ -116,14 +116,24 @@ void rope_tables(const ModelWeights& w, const int64_t* positions, int64_t M, std
   }
 }
 
-// Row i = (b, j) of k/v [M, Hkv * D] into layer l's cache at slot prefix_lens[b] + j of cache row cache_rows[b].
-void write_cache(const ForwardBatch& f, int64_t l, const float* k, const float* v, int64_t Hkv, int64_t D) {
+// Row i = (b, j) of k/v [M, Hkv * D] into layer l's cache at slot prefix_lens[b] + j of cache row cache_rows[b]
+// (rounded to float16 when the cache holds float16).
+void write_cache(const RowOps& ops, const ForwardBatch& f, int64_t l, const float* k, const float* v, int64_t Hkv,
+                 int64_t D) {
+  const bool half = f.cache_type == CacheType::F16;
   for (int64_t i = 0; i < f.B * f.N; ++i) {
     const int64_t b = i / f.N, j = i % f.N, slot = f.prefix_lens[b] + j;
     for (int64_t hh = 0; hh < Hkv; ++hh) {
       const int64_t off = ((f.cache_rows[b] * Hkv + hh) * f.capacity + slot) * D;
-      std::memcpy(f.keys[l] + off, k + (i * Hkv + hh) * D, D * sizeof(float));
-      std::memcpy(f.values[l] + off, v + (i * Hkv + hh) * D, D * sizeof(float));
+      const float* ks = k + (i * Hkv + hh) * D;
+      const float* vs = v + (i * Hkv + hh) * D;
+      if (half) {
+        ops.to_half(ks, static_cast<uint16_t*>(f.keys[l]) + off, D);
+        ops.to_half(vs, static_cast<uint16_t*>(f.values[l]) + off, D);
+      } else {
+        std::memcpy(static_cast<float*>(f.keys[l]) + off, ks, D * sizeof(float));
+        std::memcpy(static_cast<float*>(f.values[l]) + off, vs, D * sizeof(float));
+      }
     }
   }
 }
@@ -152,7 +162,7 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
   check(D % 16 == 0 && D <= 128, "head_dim: expected a multiple of 16, at most 128");
   check(H % kBlock == 0 && F % kBlock == 0 && (Hq * D) % kBlock == 0, "hidden, ffn, heads*head_dim: multiples of 32");
   const int64_t M = f.B * f.N, G = Hq / Hkv, L = static_cast<int64_t>(w.layers.size());
-  const AttendFn attend_kernel = ops.attend_for(G, D);
+  const AttendFn attend_kernel = ops.attend_for(G, D, f.cache_type);
   if (M == 0) return;
   check_cache_slots(f);
   for (int64_t i = 0; i < M; ++i) check(f.tokens[i] >= 0 && f.tokens[i] < V, "tokens: outside the vocabulary");
@@ -209,9 +219,10 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
                       w.rms_eps);
     }
     // the new rows' keys and values go into the cache before any row attends (a node sees its ancestors)
-    write_cache(f, l, k.data(), v.data(), Hkv, D);
-    const float* Kc = f.keys[l];
-    const float* Vc = f.values[l];
+    write_cache(ops, f, l, k.data(), v.data(), Hkv, D);
+    const char* Kc = static_cast<const char*>(f.keys[l]);
+    const char* Vc = static_cast<const char*>(f.values[l]);
+    const int64_t elem = cache_bytes(f.cache_type);
     // KV head by KV head, every query row of it in turn: the rows of a tree share their prefix, whose keys and
     // values (prefix x head_dim floats, ~256 KB at 500 tokens) then come from L2 for every row after the first
     // instead of from memory (row by row, the other heads' prefixes evicted them). Each (row, head) is computed
@@ -220,7 +231,7 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
       std::vector<float> scores(static_cast<size_t>(G * std::max<int64_t>(max_vis, 1)));
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t hh = t / M, i = t % M, b = i / f.N;
-        const int64_t base = (f.cache_rows[b] * Hkv + hh) * f.capacity * D;
+        const int64_t base = (f.cache_rows[b] * Hkv + hh) * f.capacity * D * elem;
         attend_kernel(q.data() + (i * Hq + hh * G) * D, Kc + base, Vc + base, vis.data() + vis_start[i],
                       vis_start[i + 1] - vis_start[i], scale, scores.data(), att.data() + (i * Hq + hh * G) * D);
       }
@@ -275,7 +286,7 @@ void context_kv(const ModelWeights& w, const float* hidden, const ForwardBatch& 
       norm_rope_heads(ops, k.data() + i * Hkv * D, Hkv, lw.k_norm, cosv.data() + i * half, sinv.data() + i * half, D,
                       w.rms_eps);
     }
-    write_cache(f, l, k.data(), v.data(), Hkv, D);
+    write_cache(ops, f, l, k.data(), v.data(), Hkv, D);
   }
 }
 void rmsnorm_rows(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps) {

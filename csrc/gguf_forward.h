@@ -1,6 +1,7 @@
 // The target's decode / verify forward over GGUF blocks (Llama and Qwen3 decoder layers), on raw host
 // pointers, no torch: embedding, RMSNorm, RoPE, GQA attention over a preallocated cache with a tree's
-// visibility, SwiGLU, the final norm and the head, in one call (no per-op dispatch).
+// visibility, SwiGLU, the final norm and the head, in one call (no per-op dispatch). The cache holds float32 or
+// float16 (CacheType); a float16 cache rounds each key and value once, when its row writes it.
 //
 // Rows are independent by construction: every float a row's outputs depend on is computed by the same
 // sequence of operations whatever the other rows are, how many there are, where the row sits in the call
@@ -23,6 +24,12 @@
 
 namespace taps {
 namespace gguf {
+
+// What the KV cache stores: float32, or float16 (IEEE binary16 bits; written rounded to nearest even, read
+// back exactly as float32, so a key's float32 value does not depend on when or by which row it was read).
+enum class CacheType { F32, F16 };
+
+inline int64_t cache_bytes(CacheType t) { return t == CacheType::F16 ? 2 : 4; }
 
 struct PackedMatrix {
   BlockType type = BlockType::Q4_1;
@@ -57,9 +64,10 @@ struct ForwardBatch {
   const int64_t* cache_rows = nullptr;   // [B] cache row each batch row reads and writes
   const int32_t* bits = nullptr;         // [B, N, words]: bit j%32 of word j/32 = node j visible (self included)
   int64_t words = 0;
-  // cache: one K and one V buffer per layer, float [cache_batch, kv_heads, capacity, head_dim]
-  float* const* keys = nullptr;
-  float* const* values = nullptr;
+  // cache: one K and one V buffer per layer, [cache_batch, kv_heads, capacity, head_dim] of cache_type
+  void* const* keys = nullptr;
+  void* const* values = nullptr;
+  CacheType cache_type = CacheType::F32;
   int64_t cache_batch = 0, capacity = 0;
   // outputs: hidden states after the listed layers ([M, n_features * hidden]; an id equal to the last layer
   // gives the final-normed state, as transformers' hidden_states[-1]) and logits of the listed rows

@@ -9,21 +9,25 @@
 
 #include <cstdint>
 
+#include "gguf_forward.h"
+
 namespace taps {
 namespace gguf {
 
 constexpr int kMaxGroup = 8;  // query heads per KV head handled together
 
 // Attention of one query row for the G query heads of one KV head over the visible slots vis[0..nv):
-// q [G, D], K / V the head's cache rows [slots, D], scores a workspace of G * nv floats, out [G, D].
-using AttendFn = void (*)(const float* q, const float* K, const float* V, const int64_t* vis, int64_t nv,
+// q [G, D], K / V the head's cache rows [slots, D] of the cache type, scores a workspace of G * nv floats,
+// out [G, D].
+using AttendFn = void (*)(const float* q, const void* K, const void* V, const int64_t* vis, int64_t nv,
                           float scale, float* scores, float* out);
 
 struct RowOps {
   const char* isa;                                                            // "avx512" or "avx2"
   void (*rmsnorm_row)(const float* x, const float* w, float* y, int64_t H, float eps);  // y = w * x / rms(x)
   void (*swiglu)(float* g, const float* u, int64_t n);                        // g = silu(g) * u
-  AttendFn (*attend_for)(int64_t G, int64_t D);                               // G in 1..8, D = 16 * (1..8)
+  AttendFn (*attend_for)(int64_t G, int64_t D, CacheType t);                  // G in 1..8, D = 16 * (1..8)
+  void (*to_half)(const float* x, uint16_t* y, int64_t n);                    // y = float16(x), nearest even
 };
 
 // The set each instruction set gives; null where the build or this CPU lacks it.

@@ -94,13 +94,22 @@ TAPS_AVX2 float softmax_scores(float* s, int64_t nv) {
   return 1.0f / sum_fixed(s, nv);
 }
 
-// Attention of one query row for the G query heads of one KV head (head_dim = 8 * DC); gguf_row_ops.h.
-// Head by head (the AVX-512 set's registers do not fit in 16): dots by FMA over the 8-lane chunks, 8 keys
-// reduced by one transpose, the softmax in slot-sequence order, the value sum in that order.
-template <int G, int DC>
-TAPS_AVX2 void attend(const float* q, const float* K, const float* V, const int64_t* vis, int64_t nv, float scale,
+// 8 cache values as float32 (float16 widened exactly).
+TAPS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+TAPS_AVX2 inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Attention of one query row for the G query heads of one KV head (head_dim = 8 * DC; cache elements T: float,
+// or uint16_t holding float16); gguf_row_ops.h. Head by head (the AVX-512 set's registers do not fit in 16):
+// dots by FMA over the 8-lane chunks, 8 keys reduced by one transpose, the softmax in slot-sequence order, the
+// value sum in that order.
+template <int G, int DC, typename T>
+TAPS_AVX2 void attend(const float* q, const void* Kv, const void* Vv, const int64_t* vis, int64_t nv, float scale,
                       float* scores, float* out) {
   constexpr int64_t D = 8 * DC;
+  const T* K = static_cast<const T*>(Kv);
+  const T* V = static_cast<const T*>(Vv);
   for (int g = 0; g < G; ++g) {
     __m256 qv[DC];
     for (int c = 0; c < DC; ++c) qv[c] = _mm256_loadu_ps(q + g * D + 8 * c);
@@ -111,8 +120,8 @@ TAPS_AVX2 void attend(const float* q, const float* K, const float* V, const int6
       for (int64_t t = 0; t < 8; ++t) {
         __m256 acc = _mm256_setzero_ps();
         if (t < tn) {
-          const float* k = K + vis[t0 + t] * D;
-          for (int c = 0; c < DC; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), acc);
+          const T* k = K + vis[t0 + t] * D;
+          for (int c = 0; c < DC; ++c) acc = _mm256_fmadd_ps(qv[c], load8(k + 8 * c), acc);
         }
         part[t] = acc;
       }
@@ -122,28 +131,42 @@ TAPS_AVX2 void attend(const float* q, const float* K, const float* V, const int6
     __m256 acc[DC];
     for (int c = 0; c < DC; ++c) acc[c] = _mm256_setzero_ps();
     for (int64_t t = 0; t < nv; ++t) {
-      const float* v = V + vis[t] * D;
+      const T* v = V + vis[t] * D;
       const __m256 p = _mm256_set1_ps(sg[t]);
-      for (int c = 0; c < DC; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      for (int c = 0; c < DC; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
     }
     for (int c = 0; c < DC; ++c) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(acc[c], inv));
   }
 }
 
-// The kernel for (G, head_dim): G in 1..8, head_dim 16 * (1..8).
-AttendFn attend_for(int64_t G, int64_t D) {
-#define TAPS_ATTEND_ROW(g) {attend<g, 2>, attend<g, 4>, attend<g, 6>, attend<g, 8>, attend<g, 10>, attend<g, 12>, \
-                            attend<g, 14>, attend<g, 16>}
+// The kernel for (G, head_dim, cache type): G in 1..8, head_dim 16 * (1..8).
+template <typename T>
+AttendFn attend_of(int64_t G, int64_t D) {
+#define TAPS_ATTEND_ROW(g) {attend<g, 2, T>, attend<g, 4, T>, attend<g, 6, T>, attend<g, 8, T>, attend<g, 10, T>, \
+                            attend<g, 12, T>, attend<g, 14, T>, attend<g, 16, T>}
   static const AttendFn table[8][8] = {TAPS_ATTEND_ROW(1), TAPS_ATTEND_ROW(2), TAPS_ATTEND_ROW(3), TAPS_ATTEND_ROW(4),
                                        TAPS_ATTEND_ROW(5), TAPS_ATTEND_ROW(6), TAPS_ATTEND_ROW(7), TAPS_ATTEND_ROW(8)};
 #undef TAPS_ATTEND_ROW
   return table[G - 1][D / 16 - 1];
 }
 
+AttendFn attend_for(int64_t G, int64_t D, CacheType t) {
+  return t == CacheType::F16 ? attend_of<uint16_t>(G, D) : attend_of<float>(G, D);
+}
+
+TAPS_AVX2 void to_half(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 }  // namespace
 
 const RowOps* row_ops_avx2() {
-  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for};
+  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for, to_half};
   static const bool ok =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return ok ? &ops : nullptr;

@@ -87,15 +87,23 @@ TAPS_AVX512 float softmax_scores(float* s, int64_t nv) {
   return 1.0f / sum_fixed(s, nv);
 }
 
+// 16 cache values as float32 (float16 widened exactly).
+TAPS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+TAPS_AVX512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Attention of one query row for the G query heads of one KV head over the visible slots vis[0..nv)
-// (head_dim = 16 * DC). q: G heads x D floats; out: G x D; scores: workspace of G * nv floats.
-// Each key and value row is loaded once for the G heads; per head the operations (and so the bits) are
-// those of one head alone: dots by FMA over the 16-lane chunks, 16 keys reduced by one transpose, the
-// softmax in slot-sequence order, the value sum in that order.
-template <int G, int DC>
-TAPS_AVX512 void attend(const float* q, const float* K, const float* V, const int64_t* vis, int64_t nv, float scale,
+// (head_dim = 16 * DC; cache elements T: float, or uint16_t holding float16). q: G heads x D floats; out:
+// G x D; scores: workspace of G * nv floats. Each key and value row is loaded once for the G heads; per head
+// the operations (and so the bits) are those of one head alone: dots by FMA over the 16-lane chunks, 16 keys
+// reduced by one transpose, the softmax in slot-sequence order, the value sum in that order.
+template <int G, int DC, typename T>
+TAPS_AVX512 void attend(const float* q, const void* Kv, const void* Vv, const int64_t* vis, int64_t nv, float scale,
                         float* scores, float* out) {
   constexpr int64_t D = 16 * DC;
+  const T* K = static_cast<const T*>(Kv);
+  const T* V = static_cast<const T*>(Vv);
   __m512 qv[G][DC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
@@ -104,9 +112,9 @@ TAPS_AVX512 void attend(const float* q, const float* K, const float* V, const in
     alignas(64) __m512 part[G][16];
     for (int64_t t = 0; t < 16; ++t) {
       if (t < tn) {
-        const float* k = K + vis[t0 + t] * D;
+        const T* k = K + vis[t0 + t] * D;
         __m512 kv[DC];
-        for (int c = 0; c < DC; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+        for (int c = 0; c < DC; ++c) kv[c] = load16(k + 16 * c);
         for (int g = 0; g < G; ++g) {
           __m512 acc = _mm512_setzero_ps();
           for (int c = 0; c < DC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
@@ -127,9 +135,9 @@ TAPS_AVX512 void attend(const float* q, const float* K, const float* V, const in
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < nv; ++t) {
-    const float* v = V + vis[t] * D;
+    const T* v = V + vis[t] * D;
     __m512 vv[DC];
-    for (int c = 0; c < DC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int c = 0; c < DC; ++c) vv[c] = load16(v + 16 * c);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * nv + t]);
       for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
@@ -139,20 +147,34 @@ TAPS_AVX512 void attend(const float* q, const float* K, const float* V, const in
     for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
 }
 
-// The kernel for (G, head_dim): G in 1..8 (at most 8 query heads per KV head), head_dim 16 * (1..8).
-AttendFn attend_for(int64_t G, int64_t D) {
-#define TAPS_ATTEND_ROW(g) {attend<g, 1>, attend<g, 2>, attend<g, 3>, attend<g, 4>, attend<g, 5>, attend<g, 6>, \
-                            attend<g, 7>, attend<g, 8>}
+// The kernel for (G, head_dim, cache type): G in 1..8 (at most 8 query heads per KV head), head_dim 16 * (1..8).
+template <typename T>
+AttendFn attend_of(int64_t G, int64_t D) {
+#define TAPS_ATTEND_ROW(g) {attend<g, 1, T>, attend<g, 2, T>, attend<g, 3, T>, attend<g, 4, T>, attend<g, 5, T>, \
+                            attend<g, 6, T>, attend<g, 7, T>, attend<g, 8, T>}
   static const AttendFn table[8][8] = {TAPS_ATTEND_ROW(1), TAPS_ATTEND_ROW(2), TAPS_ATTEND_ROW(3), TAPS_ATTEND_ROW(4),
                                        TAPS_ATTEND_ROW(5), TAPS_ATTEND_ROW(6), TAPS_ATTEND_ROW(7), TAPS_ATTEND_ROW(8)};
 #undef TAPS_ATTEND_ROW
   return table[G - 1][D / 16 - 1];
 }
 
+AttendFn attend_for(int64_t G, int64_t D, CacheType t) {
+  return t == CacheType::F16 ? attend_of<uint16_t>(G, D) : attend_of<float>(G, D);
+}
+
+TAPS_AVX512 void to_half(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 }  // namespace
 
 const RowOps* row_ops_avx512() {
-  static const RowOps ops{"avx512", rmsnorm_row, swiglu, attend_for};
+  static const RowOps ops{"avx512", rmsnorm_row, swiglu, attend_for, to_half};
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("f16c");
   return ok ? &ops : nullptr;

@@ -1,6 +1,14 @@
 """The GGUF target: loader checks, the C++ forward against the independent reference forward, row invariance
 of whole forwards (a tree node = the same token decoded alone, bit for bit; a batch row = the row alone;
-prefill = token-by-token decoding), and lossless decoding through the loop against the reference decoder."""
+prefill = token-by-token decoding), and lossless decoding through the loop against the reference decoder.
+
+Both cache dtypes run: float16 (the format's model) and float32. The reference forward is an exact oracle of
+greedy tokens with the float32 cache only: its float32 rounding differs from the C++ forward's in the last bits,
+and a last-bit difference that moves a key or value across a float16 rounding step changes it by a float16 ulp,
+which int8 activation quantisation downstream can amplify on a random tiny model. With the float16 cache the
+oracle of lossless decoding is plain greedy decoding over the target's one forward (no decode loop, no tree),
+and the cache's rounding itself is checked bit for bit against torch's."""
+import dataclasses
 import random
 
 import pytest
@@ -24,11 +32,52 @@ VOCAB, LAYERS = 80, 3
 FEATURES = [0, 2]  # a middle layer and the last (the final-normed state, as transformers' hidden_states[-1])
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
+
+
+def _tiny(tmp_path_factory, arch: str, kv: str):
+    """A random tiny ``arch`` GGUF target with a ``kv`` cache and its reference weights (same cache dtype)."""
+    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny_{arch}.gguf", arch=arch, vocab=VOCAB,
+                           layers=LAYERS)
+    return (load_gguf_target(path, kv_dtype=KV_DTYPES[kv]),
+            dataclasses.replace(reference_weights_from_gguf(path), kv_dtype=KV_DTYPES[kv]))
+
+
+@pytest.fixture(scope="module", params=["llama-f16", "qwen3-f16", "llama-f32", "qwen3-f32"])
 def tiny(request, tmp_path_factory):
-    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny_{request.param}.gguf", arch=request.param,
-                           vocab=VOCAB, layers=LAYERS)
-    return load_gguf_target(path), reference_weights_from_gguf(path)
+    return _tiny(tmp_path_factory, *request.param.split("-"))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_f32(request, tmp_path_factory):
+    return _tiny(tmp_path_factory, request.param, "f32")
+
+
+def _plain_greedy(target, prompt, n):
+    """Greedy tokens of ``target`` one forward per token (no decode loop, no tree, no compaction)."""
+    from taps.decode.gguf_verifier import chain_bits
+
+    c, T = target.config, len(prompt) + n
+    shape = (1, c.num_key_value_heads, T, c.head_dim)
+    keys = [torch.zeros(shape, dtype=target.kv_dtype) for _ in range(LAYERS)]
+    values = [torch.zeros(shape, dtype=target.kv_dtype) for _ in range(LAYERS)]
+    zero, none = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    logits, _ = target.forward_rows(torch.tensor([prompt]), torch.arange(len(prompt))[None], zero, zero,
+                                    chain_bits(len(prompt)), keys, values, none, torch.tensor([len(prompt) - 1]))
+    out = [int(logits[0].argmax())]
+    while len(out) < n:
+        at = len(prompt) + len(out) - 1
+        logits, _ = target.forward_rows(torch.tensor([[out[-1]]]), torch.tensor([[at]]), torch.tensor([at]), zero,
+                                        chain_bits(1), keys, values, none, zero)
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+def _greedy(tiny, prompt, n):
+    """What lossless decoding must return: the reference decoder's tokens with the float32 cache, plain greedy
+    decoding over the C++ forward with the float16 one (see the module docstring)."""
+    target, ref = tiny
+    return greedy_reference(ref, prompt, n) if target.kv_dtype == torch.float32 else _plain_greedy(target, prompt, n)
 
 
 def _bits(t):
@@ -51,8 +100,8 @@ def _decode_alone(target, prompt, tokens):
     return logits[0], feats[0, 0]
 
 
-def test_forward_matches_reference(tiny):
-    target, ref = tiny
+def test_forward_matches_reference(tiny_f32):
+    target, ref = tiny_f32
     prompt = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]
     v = make_verifier(target, FEATURES)
     logits, feats = v.prefill(torch.tensor([prompt]), 32)
@@ -61,6 +110,23 @@ def test_forward_matches_reference(tiny):
     assert torch.allclose(logits, rl[-1], rtol=1e-4, atol=1e-4 * rl.abs().max())
     assert torch.allclose(feats[0], rf, rtol=1e-4, atol=1e-4 * rf.abs().max())
     assert int(logits.argmax()) == int(rl[-1].argmax())
+
+
+def test_float16_cache_holds_the_float32_keys_and_values_rounded(tmp_path):
+    # layer 0's keys and values are the same float32 numbers in both runs (nothing before them reads the cache):
+    # the float16 cache must hold exactly torch's rounding of them (nearest even), for every slot and head
+    path = write_tiny_gguf(tmp_path / "t.gguf", arch="qwen3", vocab=VOCAB, layers=LAYERS)
+    prompt = [random.Random(3).randrange(VOCAB) for _ in range(29)]
+    caches = []
+    for dt in (torch.float32, torch.float16):
+        v = make_verifier(load_gguf_target(path, kv_dtype=dt), FEATURES)
+        v.prefill(torch.tensor([prompt]), 40)
+        assert v.keys[0].dtype == dt and v.values[0].dtype == dt
+        caches.append((v.keys[0][:, :, :len(prompt)], v.values[0][:, :, :len(prompt)]))
+    (k32, v32), (k16, v16) = caches
+    assert torch.equal(k16.view(torch.int16), k32.half().view(torch.int16))
+    assert torch.equal(v16.view(torch.int16), v32.half().view(torch.int16))
+    assert not torch.equal(k16.float(), k32)  # the rounding did happen
 
 
 def test_prefill_equals_token_by_token(tiny):
@@ -127,13 +193,13 @@ def _tiny_drafter(target):
 
 @pytest.mark.parametrize("spec", ["ar", "lookup", "lookup:3", "dflash", "ddtree:6", "ddtree:16"])
 def test_lossless_against_the_reference_decoder(tiny, spec):
-    target, ref = tiny
+    target, _ = tiny
     rng = random.Random(7)
     policy = make_policy(spec)
     drafter = _tiny_drafter(target) if policy.uses_drafter else None
     for _ in range(2):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
-        want = greedy_reference(ref, prompt, 24)
+        want = _greedy(tiny, prompt, 24)
         got = SpeculativeDecoder(target, policy, drafter=drafter).generate(prompt, 24)
         assert got.token_ids == want
 
@@ -150,7 +216,7 @@ def test_batched_decoding_equals_batch_one(tiny):
 
 
 def test_failed_round_leaves_the_cache_intact(tiny):
-    target, ref = tiny
+    target, _ = tiny
     prompt = [4, 8, 15, 16, 23, 42]
     dec = SpeculativeDecoder(target, make_policy("lookup"))
     dec.start(prompt, 20)
@@ -166,7 +232,7 @@ def test_failed_round_leaves_the_cache_intact(tiny):
             dec.step()
         except RuntimeError:
             pass
-    assert dec.generated == greedy_reference(ref, prompt, 20)
+    assert dec.generated == _greedy(tiny, prompt, 20)
 
 
 def test_forward_rejects_bad_inputs(tiny):
@@ -182,6 +248,14 @@ def test_forward_rejects_bad_inputs(tiny):
                             torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                             torch.zeros(1, 2, 1, dtype=torch.int32), v.keys, v.values, torch.zeros(0, dtype=torch.int64),
                             torch.zeros(1, dtype=torch.int64))
+    other = torch.float32 if target.kv_dtype == torch.float16 else torch.float16
+    with pytest.raises(TypeError, match=r"values\[0\]: expected dtype"):
+        target.forward_rows(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                            torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                            torch.ones(1, 1, 1, dtype=torch.int32), v.keys, [t.to(other) for t in v.values],
+                            torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="kv_dtype: expected torch.float16 or torch.float32"):
+        load_gguf_target(target.path, kv_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="keys/values: expected one cache tensor per layer"):
         target.forward_rows(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
                             torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
@@ -205,10 +279,10 @@ def test_loader_names_what_it_cannot_run(tmp_path):
 
 def test_tied_head_reads_the_embedding(tmp_path):
     path = write_tiny_gguf(tmp_path / "tied.gguf", tied=True)
-    target = load_gguf_target(path)
+    target = load_gguf_target(path, kv_dtype=torch.float32)
     assert target.config.tie_word_embeddings
     assert target.get_output_embeddings().weight is target.get_input_embeddings().weight
-    ref = reference_weights_from_gguf(path)
+    ref = dataclasses.replace(reference_weights_from_gguf(path), kv_dtype=torch.float32)
     prompt = [5, 6, 7]
     assert SpeculativeDecoder(target, make_policy("ar")).generate(prompt, 8).token_ids == greedy_reference(ref, prompt, 8)
 
@@ -223,13 +297,13 @@ def _block_drafter(seed=2):
     return DFlashDrafter(cfg).eval()
 
 
-def test_block_draft_equals_the_torch_layers_on_the_same_blocks(tiny):
+def test_block_draft_equals_the_torch_layers_on_the_same_blocks(tiny_f32):
     import copy
 
     from taps.models.drafter_blocks import enable_block_draft
     from taps_kernels.integrations.block_linear import use_block_linear
 
-    target, _ = tiny
+    target, _ = tiny_f32
     torch_q8 = _block_drafter()
     blocks = copy.deepcopy(torch_q8)
     use_block_linear(torch_q8.layers)  # the same Q8_0 weights, run by the PyTorch layers
@@ -259,7 +333,7 @@ def test_block_drafter_decodes_losslessly(tiny, spec, head):
     from taps.models.drafter import prepare_drafter
     from taps.models.drafter_blocks import HEAD_FORMATS
 
-    target, ref = tiny
+    target, _ = tiny
     drafter = prepare_drafter(_block_drafter(), "cpu", body="blocks", head=head)
     assert drafter.block_draft is not None
     assert drafter.block_draft.head_type == HEAD_FORMATS["q8_0" if head == "auto" else head]
@@ -267,15 +341,15 @@ def test_block_drafter_decodes_losslessly(tiny, spec, head):
     for _ in range(2):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
         got = SpeculativeDecoder(target, make_policy(spec), drafter=drafter).generate(prompt, 20)
-        assert got.token_ids == greedy_reference(ref, prompt, 20)
+        assert got.token_ids == _greedy(tiny, prompt, 20)
 
 
-def test_q4_1_head_logits_follow_the_q8_0_ones(tiny):
+def test_q4_1_head_logits_follow_the_q8_0_ones(tiny_f32):
     # the Q4_1 head re-quantises the Q8_0 rows: logits move by its rounding (half a 4-bit step per weight), and a
     # format the body does not take is refused
     from taps.models.drafter import prepare_drafter
 
-    target, _ = tiny
+    target, _ = tiny_f32
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     outs = []
     for fmt in ("q8_0", "q4_1"):
@@ -326,7 +400,8 @@ def test_other_kernels_in_a_child_process(kernels):
     if kernels not in others[_C.gguf_kernel_path()]:
         pytest.skip(f"this CPU runs the {_C.gguf_kernel_path()} kernels by default; {kernels} is that one or one "
                     f"it lacks")
-    tests = ["test_forward_matches_reference", "test_prefill_equals_token_by_token",
+    tests = ["test_forward_matches_reference", "test_float16_cache_holds_the_float32_keys_and_values_rounded",
+             "test_prefill_equals_token_by_token",
              "test_tree_node_equals_the_token_decoded_alone", "test_batch_rows_equal_rows_alone",
              "test_lossless_against_the_reference_decoder"]
     env = dict(os.environ, TAPS_GGUF_KERNELS=kernels)

@@ -1,7 +1,10 @@
 """Batched data generation over the GGUF target (``taps.data.gguf_generation``): a row's tokens, features and
 top-k log-probabilities in a batch of many (rows admitted as others finish, prefilled in padded groups) are the
 bits of the same row generated alone; greedy tokens equal the independent reference decoder's, features and
-log-probabilities its values to float32 rounding."""
+log-probabilities its values to float32 rounding (with the float32 cache: see ``test_gguf_forward.py`` for why
+the reference is an exact oracle of tokens with that cache only; the float16 cache, the format's model, runs
+every exact test of a batch against its rows alone and against one forward over the whole sequence)."""
+import dataclasses
 import random
 
 import pytest
@@ -22,11 +25,22 @@ FEATURES = [0, 1]
 TOPK = 8
 
 
+def _tiny(tmp_path_factory, arch: str, kv_dtype: torch.dtype):
+    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny_{arch}.gguf", arch=arch, vocab=VOCAB,
+                           layers=LAYERS)
+    return (load_gguf_target(path, kv_dtype=kv_dtype),
+            dataclasses.replace(reference_weights_from_gguf(path), kv_dtype=kv_dtype))
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny(request, tmp_path_factory):
-    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny_{request.param}.gguf", arch=request.param,
-                           vocab=VOCAB, layers=LAYERS)
-    return load_gguf_target(path), reference_weights_from_gguf(path)
+    """The format's model (float16 cache)."""
+    return _tiny(tmp_path_factory, request.param, torch.float16)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_f32(request, tmp_path_factory):
+    return _tiny(tmp_path_factory, request.param, torch.float32)
 
 
 def _prompts(n=11, seed=0, shared=0):
@@ -86,12 +100,12 @@ def test_rows_in_a_batch_equal_rows_alone(tiny, batch_size, prefill_tokens, shar
         _same(r, unshared.generate([p], n, eos_id=eos, topk=TOPK)[0])
 
 
-def test_greedy_equals_the_reference_decoder(tiny):
+def test_greedy_equals_the_reference_decoder(tiny_f32):
     """Tokens equal :func:`greedy_reference` exactly (an oracle sharing no code with the C++ forward). Features
     and top-k log-probabilities match the reference forward over prompt + response to float32 rounding (and
     the fp16 of the stored features), except in a row where that rounding moved an activation across an int8
     quantisation step (its later positions then differ by a code's worth): at most 1 row in 3."""
-    target, ref = tiny
+    target, ref = tiny_f32
     prompts, n = _prompts(6, seed=2), 12
     res = GGUFGenerator(target, FEATURES, batch_size=4).generate(prompts, n, eos_id=-1, topk=TOPK)
     far = 0
@@ -124,7 +138,7 @@ def test_generation_equals_one_forward_over_the_whole_sequence(tiny):
     c = target.config
     for r in res:
         T = len(r.tokens) - 1  # the last token is never fed
-        cache = [torch.zeros(1, c.num_key_value_heads, T, c.head_dim) for _ in range(2 * LAYERS)]
+        cache = [torch.zeros(1, c.num_key_value_heads, T, c.head_dim, dtype=target.kv_dtype) for _ in range(2 * LAYERS)]
         zero = torch.zeros(1, dtype=torch.int64)
         logits, feats = target.forward_rows(torch.tensor([r.tokens[:T]]), torch.arange(T)[None], zero, zero,
                                             chain_bits(T), cache[:LAYERS], cache[LAYERS:], torch.tensor(FEATURES),

@@ -5,7 +5,8 @@ It shares no code with the C++ forward (its own block decoding, its own q/k row 
 softmax, exp and RoPE), so it is the independent oracle of lossless decoding on tiny models: greedy decoding
 through the speculative loop over the C++ forward must give the tokens :func:`greedy_reference` gives.
 Its numerics agree with the C++ forward to float32 rounding (not bit for bit: exp, softmax and reduction
-orders differ); the matrix products, where the int8 quantisation lives, are bit-identical.
+orders differ); the matrix products, where the int8 quantisation lives, are bit-identical, and keys and values
+are rounded to the cache's dtype (``ReferenceWeights.kv_dtype``) exactly as the cache stores them.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from .gguf import dequantize_blocks_reference, gguf_linear_reference
 @dataclass
 class ReferenceWeights:
     """Raw GGUF rows as the file stores them: ``matrices[name] = (raw uint8 [N, row_bytes], ggml_type)`` for
-    ``blk.{i}.attn_q`` ... ``token_embd`` (and ``output`` when untied); ``vectors[name]`` float32 norms."""
+    ``blk.{i}.attn_q`` ... ``token_embd`` (and ``output`` when untied); ``vectors[name]`` float32 norms;
+    ``kv_dtype``: what attention reads keys and values as (the GGUF format's cache: float16)."""
 
     arch: str
     hidden: int
@@ -32,6 +34,7 @@ class ReferenceWeights:
     rope_base: float
     matrices: Dict[str, tuple]
     vectors: Dict[str, torch.Tensor]
+    kv_dtype: torch.dtype = torch.float16
 
 
 def _permuted_to_hf(raw: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -82,8 +85,8 @@ def decoder_reference(w: ReferenceWeights, tokens: Sequence[int], feature_layers
             q = _rms(q, w.vectors[p + "attn_q_norm"], w.rms_eps)
             k = _rms(k, w.vectors[p + "attn_k_norm"], w.rms_eps)
         q = _rope(q.transpose(0, 1), pos, w.rope_base)  # [heads, T, D]
-        k = _rope(k.transpose(0, 1), pos, w.rope_base).repeat_interleave(G, 0)
-        v = v.transpose(0, 1).repeat_interleave(G, 0)
+        k = _rope(k.transpose(0, 1), pos, w.rope_base).to(w.kv_dtype).float().repeat_interleave(G, 0)
+        v = v.transpose(0, 1).to(w.kv_dtype).float().repeat_interleave(G, 0)
         s = (q @ k.transpose(1, 2)) / (w.head_dim ** 0.5)
         s = s.masked_fill(~causal, float("-inf")).softmax(-1)
         att = (s @ v).transpose(0, 1).reshape(T, w.heads * w.head_dim)

@@ -2,9 +2,9 @@
 training data.
 
 :class:`GGUFGenerator` answers many prompts with up to ``batch_size`` rows live at once in one preallocated
-KV cache (``[batch_size, kv_heads, capacity, head_dim]`` float32 per layer). Each decode step is ONE call of
-the C++ forward (``csrc/gguf_forward.h``) over every live row (one new token per row), so the rows share the
-stream of the weight blocks. A row that ends (a stop token or ``max_new_tokens``) leaves at once and the next
+KV cache (``[batch_size, kv_heads, capacity, head_dim]`` of ``target.kv_dtype`` per layer). Each decode step is
+ONE call of the C++ forward (``csrc/gguf_forward.h``) over every live row (one new token per row), so the rows
+share the stream of the weight blocks. A row that ends (a stop token or ``max_new_tokens``) leaves at once and the next
 prompt is prefilled into its cache row before the next step (continuous batching), so the batch stays full
 while prompts remain. The same call returns the hidden states of the drafter's ``layer_ids`` (the drafter's
 target features, read straight from the forward's feature output) and the logits of every row, from which
@@ -99,8 +99,9 @@ class GGUFGenerator:
         shape = (rows, int(c.num_key_value_heads), capacity, int(c.head_dim))
         if self.keys and self.keys[0].shape[0] >= rows and self.keys[0].shape[2] >= capacity:
             return  # the buffers of an earlier call serve: lengths say what is valid
-        self.keys = [torch.zeros(shape, dtype=torch.float32) for _ in range(int(c.num_hidden_layers))]
-        self.values = [torch.zeros(shape, dtype=torch.float32) for _ in range(int(c.num_hidden_layers))]
+        dt = self.target.kv_dtype
+        self.keys = [torch.zeros(shape, dtype=dt) for _ in range(int(c.num_hidden_layers))]
+        self.values = [torch.zeros(shape, dtype=dt) for _ in range(int(c.num_hidden_layers))]
 
     # ------------------------------------------------------------------------------------------------ steps
     def _prefill_shared(self, slot: int, prefix: List[int], capture: bool) -> None:

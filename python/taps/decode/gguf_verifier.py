@@ -42,8 +42,8 @@ def chain_bits(T: int, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 
 class GGUFVerifier(CacheVerifier):
-    """Owns a :class:`GGUFTarget`'s KV cache (float32, ``[max_batch, H_kv, capacity, Dh]`` per layer) for up
-    to ``max_batch`` rows; see :class:`CacheVerifier` for the interface."""
+    """Owns a :class:`GGUFTarget`'s KV cache (``[max_batch, H_kv, capacity, Dh]`` of ``target.kv_dtype`` per
+    layer) for up to ``max_batch`` rows; see :class:`CacheVerifier` for the interface."""
 
     def __init__(self, target, feature_layer_ids: Optional[Sequence[int]] = None, max_batch: int = 1):
         cfg = target.config
@@ -54,7 +54,7 @@ class GGUFVerifier(CacheVerifier):
             bad = [i for i in feature_layer_ids if not 0 <= int(i) < L]
             if bad:
                 raise ValueError(f"feature_layer_ids: {bad[0]} is not a layer of the {L}-layer target")
-        self._init_cache(L, int(cfg.num_key_value_heads), int(cfg.head_dim), torch.float32, "cpu",
+        self._init_cache(L, int(cfg.num_key_value_heads), int(cfg.head_dim), target.kv_dtype, "cpu",
                          feature_layer_ids, max_batch)
         self._feature_layers = torch.tensor(self.feature_layer_ids or [], dtype=torch.int64)
 

@@ -4,7 +4,8 @@
 ``load_gguf_target(path)`` reads a Llama or Qwen3 GGUF file, checks every tensor (type, shape, whole blocks),
 repacks each matrix once into the kernel's layout (``csrc/gguf_linear.h``) and returns a
 :class:`GGUFTarget`. The model it defines is the file's blocks with activations quantised per row and
-32-block (int8) inside every matrix product; the fp32 format (``taps.models.target.load_target``) is the
+32-block (int8) inside every matrix product, and keys and values cached in float16 (as llama.cpp caches them by
+default: half the bytes every attention row streams); the fp32 format (``taps.models.target.load_target``) is the
 same blocks dequantised and multiplied in float32. ``taps eval-target-format`` measures how far apart
 the two are on held-out text.
 
@@ -55,16 +56,20 @@ class GGUFTarget(torch.nn.Module):
     Attributes:
         config: a transformers config of the same architecture (sizes, vocabulary, context length).
         format: ``"gguf"`` (records name the target format with it).
+        kv_dtype: the dtype of the KV cache the forward reads and writes; every cache of this target (the
+            verifier's, the data generator's) has it. ``torch.float16`` is the model the format defines;
+            ``torch.float32`` keeps keys and values unrounded (the reference decoder's exact oracle tests).
         path: the GGUF file.
     """
 
     format = "gguf"
 
     def __init__(self, config, model, norms: Dict[str, torch.Tensor], embed_raw: Tuple[torch.Tensor, int],
-                 path: Path):
+                 path: Path, kv_dtype: torch.dtype = torch.float16):
         super().__init__()
         self.config = config
         self.path = Path(path)
+        self.kv_dtype = kv_dtype
         self._model = model  # taps_kernels._C.GGUFModel (holds the packed blocks)
         # the norm weights are the model's real float32 parameters (they also give parameters() a device/dtype)
         self.norms = torch.nn.ParameterDict({k.replace(".", "_"): torch.nn.Parameter(v, requires_grad=False)
@@ -111,7 +116,7 @@ class GGUFTarget(torch.nn.Module):
         ``position_ids [B, N] int64``; ``prefix_lens [B] int64`` committed keys of each row (node j's K/V are
         written at ``prefix + j`` of cache row ``cache_rows[b]``); ``ancestor_bits [B, N, ceil(N/32)] int32``
         (node j visible to node i: bit ``j % 32`` of word ``j // 32``, self included); ``keys``/``values``:
-        one ``[R, kv_heads, capacity, head_dim]`` float32 buffer per layer; ``feature_layers [F] int64``;
+        one ``[R, kv_heads, capacity, head_dim]`` buffer of :attr:`kv_dtype` per layer; ``feature_layers [F] int64``;
         ``logit_rows [n] int64`` flat query rows (``b * N + j``) whose logits are computed.
         Returns ``(logits [n, vocab] float32, features [B, N, F * hidden] float32)``.
         """
@@ -175,8 +180,9 @@ def _vector(t, name: str, n: int) -> torch.Tensor:
     return torch.from_numpy(data.copy())
 
 
-def load_gguf_target(path) -> GGUFTarget:
-    """Read a Llama / Qwen3 GGUF file into a :class:`GGUFTarget` (matrices repacked once, ~1 s for SmolLM2).
+def load_gguf_target(path, kv_dtype: torch.dtype = torch.float16) -> GGUFTarget:
+    """Read a Llama / Qwen3 GGUF file into a :class:`GGUFTarget` (matrices repacked once, ~1 s for SmolLM2)
+    whose KV cache holds ``kv_dtype`` (``torch.float16``, the format's model, or ``torch.float32``).
 
     Raises :class:`GGUFFormatError` naming the tensor for unsupported types, wrong shapes and truncated data,
     and RuntimeError when this CPU cannot run the forward (it needs AVX-512 or AVX2; ``taps_kernels.explain()``).
@@ -185,6 +191,8 @@ def load_gguf_target(path) -> GGUFTarget:
 
     from taps_kernels import _C
 
+    if kv_dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"kv_dtype: expected torch.float16 or torch.float32, received {kv_dtype}")
     if not _C.gguf_forward_available():
         raise RuntimeError("the GGUF target needs a CPU with AVX-512, or AVX2 with FMA and F16C (this one lacks "
                            "them): use --target-format fp32")
@@ -243,4 +251,4 @@ def load_gguf_target(path) -> GGUFTarget:
     model = _C.GGUFModel({"hidden": H, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
                           "head_dim": D, "ffn": cfg.intermediate_size, "vocab": vocab, "rms_eps": cfg.rms_norm_eps,
                           "rope_base": cfg.rope_theta}, layers, embed, final_norm, head)
-    return GGUFTarget(cfg, model, norms, (embed_raw, embed_type), path)
+    return GGUFTarget(cfg, model, norms, (embed_raw, embed_type), path, kv_dtype)
