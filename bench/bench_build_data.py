@@ -6,7 +6,8 @@ the top-32 log-probabilities and the drafter's five feature layers captured as `
   ``fp32`` target format): left-padded batches, torch matrix products.
 * ``gguf``: :class:`taps.data.gguf_generation.GGUFGenerator` over the shipped GGUF blocks (the default target
   format on AVX-512 VNNI CPUs): one C++ forward per step for all rows, the chat template's system turn
-  prefilled once.
+  prefilled once; with ``--kv-dtypes float32,float16`` also with a float32 KV cache (rows ``gguf-kv-float32``;
+  the dtypes run in the order given at each batch size).
 
 Each batch answers ``B`` prompts (a few code prompts of :mod:`taps.training.prompts` with the chat template,
 repeated to fill the batch), admitted together, so the time includes their prefill. The table gives the
@@ -51,6 +52,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=6, help="distinct prompts, repeated to fill a batch")
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--topk", type=int, default=32)
+    ap.add_argument("--kv-dtypes", default="float16",
+                    help="KV cache dtypes of the gguf generator (float16: the format's; float32 beside it for an A/B)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/results/build_data_cpu.json")
     args = ap.parse_args(argv)
@@ -60,6 +63,7 @@ def main(argv=None):
     from taps.data.gguf_generation import GGUFGenerator
     from taps.decode.latency import cpu_name
     from taps.models.drafter import default_target_layer_ids
+    from taps.models.gguf_target import load_gguf_target
     from taps.models.target import load_target
     from taps_kernels import _C
 
@@ -68,23 +72,26 @@ def main(argv=None):
     load0 = os.getloadavg()
     t_start = time.time()
     gguf_target, tok = load_target("smollm2", target_format="gguf")
+    kv_targets = {"gguf" if kv == "float16" else f"gguf-kv-{kv}":
+                  load_gguf_target(gguf_target.path, kv_dtype=getattr(torch, kv))
+                  for kv in args.kv_dtypes.split(",")}
     layer_ids = default_target_layer_ids(gguf_target.config.num_hidden_layers, 5)
     distinct = _prompts(tok, args.prompts, args.max_prompt_tokens)
     rows = []
-    for B in batches:
+    for B, (name, target) in ((B, kt) for B in batches for kt in kv_targets.items()):
         prompts = [distinct[i % len(distinct)] for i in range(B)]
-        gen = GGUFGenerator(gguf_target, layer_ids, batch_size=B)
+        gen = GGUFGenerator(target, layer_ids, batch_size=B)
         resp, el = _run(gen, prompts, args.new_tokens, args.topk)
         st = gen.last_stats
-        rows.append({"generator": "gguf", "batch": B, "response_tokens": resp, "seconds": round(el, 3),
+        rows.append({"generator": name, "batch": B, "response_tokens": resp, "seconds": round(el, 3),
                      "response_tokens_per_s": round(resp / el, 1),
                      "tokens_per_s": round((resp + sum(map(len, prompts))) / el, 1),
                      "decode_tokens_per_s": round(st["decode_rows"] / st["decode_seconds"], 1),
                      "prefill_share": round(st["prefill_seconds"] / el, 3),
                      "prefill_tokens": st["prefill_rows"], "prompt_tokens": sum(map(len, prompts))})
         print(json.dumps(rows[-1]), flush=True)
-    del gguf_target, gen
-    fp32_target, _ = load_target("smollm2", linear_kernel="torch", target_format="fp32")
+    del gguf_target, kv_targets, gen
+    fp32_target = load_target("smollm2", linear_kernel="torch", target_format="fp32")[0] if fp32_batches else None
     for B in fp32_batches:
         prompts = [distinct[i % len(distinct)] for i in range(B)]
         gen = LlamaGenerator(fp32_target, layer_ids)
@@ -114,6 +121,9 @@ def main(argv=None):
         ratio = f"{g['response_tokens_per_s'] / f['response_tokens_per_s']:>7.2f}" if f and g else f"{'-':>7}"
         dec = f"{g['decode_tokens_per_s']:>17.1f} {100 * g['prefill_share']:>14.1f}" if g else ""
         print(f"{B:>5} {fs} {gs} {ratio} {dec}")
+    for r in rows:
+        if r["generator"].startswith("gguf-kv-"):
+            print(f"{r['batch']:>5} {r['generator']}: {r['response_tokens_per_s']:.1f} tok/s")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1)
