@@ -206,3 +206,19 @@ def test_generate_through_stand_in(no_tools, tmp_path):
     assert rec["text"] == "The capital of France is Paris." and rec["n_generated"] == 8
     assert "PROMPT.txt" in rec["command"] and not any(a.startswith("/") for a in rec["command"].split())
     assert rec["command"].split()[0].rstrip("'").endswith("/llama-completion")
+
+
+class _CharTokenizer:
+    """One character per token id (``ord``); id 0 is EOS."""
+
+    eos_token_id = 0
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_agreement_counts_identical_texts_and_where_they_part():
+    ours = [[ord(c) for c in "abc"] + [0], [ord(c) for c in "abd"], [ord(c) for c in "xyz"], []]
+    a = P.agreement(_CharTokenizer(), ours, ["abc", "abcz", "q", ""])
+    # EOS dropped before comparing; "abd" parts from "abcz" after two tokens; an empty output equals an empty text
+    assert a == {"identical": 2, "prompts": 4, "agree_tokens": [3, 2, 0, 0]}

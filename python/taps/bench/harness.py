@@ -103,9 +103,10 @@ class Harness:
         args, sampling, batch_sizes = self.args, self.sampling, self.batch_sizes
         t_start = time.time()
         try:
+            records = {ds: [] for ds in datasets}  # per dataset, for the llama.cpp rows' agreement check
             if batch_sizes is None:
                 first = [self.block(ds, items, self.specs, sampling, args.warmup, args.hf_baseline and sampling.greedy,
-                                    pld=args.hf_prompt_lookup if sampling.greedy else None)
+                                    records[ds], pld=args.hf_prompt_lookup if sampling.greedy else None)
                          for ds, items in datasets.items()]
             else:
                 first = [r for ds, items in datasets.items() for r in self.batch_block(ds, items)]
@@ -116,9 +117,13 @@ class Harness:
                     specs1 = list(dict.fromkeys(["ar"] + [s for s in chosen if s]))
                     self.block(run_rec["dataset"], datasets[run_rec["dataset"]][: args.t1_limit], specs1, t1_sampling,
                                0, False)
-            if args.peer == "llamacpp":
-                self.out["peers"] = {ds: peer_llamacpp.rows_beside_ours(args, self.tok, items, run_rec["policies"], log)
-                                     for (ds, items), run_rec in zip(datasets.items(), first) if batch_sizes is None}
+            if args.peer == "llamacpp" and batch_sizes is None:
+                self.out["peers"] = {}
+                for (ds, items), run_rec in zip(datasets.items(), first):
+                    ar = {r["id"]: r["turns"][0]["token_ids"] for r in records[ds] if r["policy"] == "ar"}
+                    ours = [ar[it.id] for it in items] if sampling.greedy and len(ar) == len(items) else None
+                    self.out["peers"][ds] = peer_llamacpp.rows_beside_ours(args, self.tok, items, run_rec["policies"],
+                                                                           log, ours)
         finally:
             self.close()
         out = self.out

@@ -283,9 +283,29 @@ def peer_rows(gguf, prompts_text: Sequence[str], n_tokens: int, threads: int,
     return rows
 
 
-def rows_beside_ours(args, tok, items, summary: Dict[str, dict], log) -> List[dict]:
+def agreement(tok, ours: Sequence[Sequence[int]], theirs: Sequence[str]) -> Dict:
+    """llama.cpp's greedy texts ``theirs`` against our greedy tokens ``ours`` on the same prompts (an external
+    check of the target's numerics: llama.cpp's own int8 and batch paths round differently, so it need not be
+    all). Ours drop a final EOS (llama.cpp prints none). Returns ``identical`` (prompts whose texts are equal),
+    ``prompts``, and ``agree_tokens``: per prompt, the longest prefix of our tokens whose text starts
+    llama.cpp's (all of ours when identical)."""
+    eos = tok.eos_token_id
+    agree, same = [], 0
+    for ids, text in zip(ours, theirs):
+        ids = list(ids[:-1]) if ids and ids[-1] == eos else list(ids)
+        same += int(tok.decode(ids) == text)
+        n = 0
+        while n < len(ids) and text.startswith(tok.decode(ids[:n + 1])):
+            n += 1
+        agree.append(n)
+    return {"identical": same, "prompts": len(agree), "agree_tokens": agree}
+
+
+def rows_beside_ours(args, tok, items, summary: Dict[str, dict], log,
+                     ours: Optional[Sequence[Sequence[int]]] = None) -> List[dict]:
     """llama.cpp's rows on the first turns of ``items`` (same GGUF, token count and threads), printed beside
-    our decode-only tokens/s; ``args`` holds ``target`` and ``max_new_tokens``, ``log`` prints a line."""
+    our decode-only tokens/s; ``args`` holds ``target`` and ``max_new_tokens``, ``log`` prints a line. ``ours``:
+    our AR's first-turn tokens per item; the completion row then records :func:`agreement` with them."""
     import torch
 
     from taps.data import encode_prompt
@@ -304,5 +324,10 @@ def rows_beside_ours(args, tok, items, summary: Dict[str, dict], log) -> List[di
     for spec, s in summary.items():
         if s.get("decode_tokens_per_s"):
             log(f"  ours: {spec:<42} {s['decode_tokens_per_s']:8.2f}  (all turns)")
+    if ours is not None:
+        done = next(r for r in rows if r["name"] == ROW_COMPLETION)
+        a = done["agreement_with_our_ar"] = agreement(tok, ours, [r["text"] for r in done["per_prompt"]])
+        log(f"  llama-completion's greedy text = our AR's on {a['identical']} of {a['prompts']} first turns; "
+            f"tokens before they part: median {sorted(a['agree_tokens'])[len(a['agree_tokens']) // 2]}")
     return rows
 
