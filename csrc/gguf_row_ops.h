@@ -30,6 +30,10 @@ struct RowOps {
   void (*to_half)(const float* x, uint16_t* y, int64_t n);                    // y = float16(x), nearest even
 };
 
+// float32 -> float16 bits, rounded to nearest even (F16C; both sets need it, so both write the cache with it).
+// Built on x86-64 GCC/Clang only, where the sets are.
+void to_half_f16c(const float* x, uint16_t* y, int64_t n);
+
 // The set each instruction set gives; null where the build or this CPU lacks it.
 const RowOps* row_ops_avx512();
 const RowOps* row_ops_avx2();

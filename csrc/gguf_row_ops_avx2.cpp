@@ -154,7 +154,9 @@ AttendFn attend_for(int64_t G, int64_t D, CacheType t) {
   return t == CacheType::F16 ? attend_of<uint16_t>(G, D) : attend_of<float>(G, D);
 }
 
-TAPS_AVX2 void to_half(const float* x, uint16_t* y, int64_t n) {
+}  // namespace
+
+__attribute__((target("f16c"))) void to_half_f16c(const float* x, uint16_t* y, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
@@ -163,10 +165,8 @@ TAPS_AVX2 void to_half(const float* x, uint16_t* y, int64_t n) {
   for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-}  // namespace
-
 const RowOps* row_ops_avx2() {
-  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for, to_half};
+  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for, to_half_f16c};
   static const bool ok =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return ok ? &ops : nullptr;

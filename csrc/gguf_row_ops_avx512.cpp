@@ -162,19 +162,10 @@ AttendFn attend_for(int64_t G, int64_t D, CacheType t) {
   return t == CacheType::F16 ? attend_of<uint16_t>(G, D) : attend_of<float>(G, D);
 }
 
-TAPS_AVX512 void to_half(const float* x, uint16_t* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
 }  // namespace
 
 const RowOps* row_ops_avx512() {
-  static const RowOps ops{"avx512", rmsnorm_row, swiglu, attend_for, to_half};
+  static const RowOps ops{"avx512", rmsnorm_row, swiglu, attend_for, to_half_f16c};
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("f16c");
   return ok ? &ops : nullptr;
