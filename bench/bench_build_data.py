@@ -78,18 +78,19 @@ def main(argv=None):
     layer_ids = default_target_layer_ids(gguf_target.config.num_hidden_layers, 5)
     distinct = _prompts(tok, args.prompts, args.max_prompt_tokens)
     rows = []
-    for B, (name, target) in ((B, kt) for B in batches for kt in kv_targets.items()):
+    for B in batches:
         prompts = [distinct[i % len(distinct)] for i in range(B)]
-        gen = GGUFGenerator(target, layer_ids, batch_size=B)
-        resp, el = _run(gen, prompts, args.new_tokens, args.topk)
-        st = gen.last_stats
-        rows.append({"generator": name, "batch": B, "response_tokens": resp, "seconds": round(el, 3),
-                     "response_tokens_per_s": round(resp / el, 1),
-                     "tokens_per_s": round((resp + sum(map(len, prompts))) / el, 1),
-                     "decode_tokens_per_s": round(st["decode_rows"] / st["decode_seconds"], 1),
-                     "prefill_share": round(st["prefill_seconds"] / el, 3),
-                     "prefill_tokens": st["prefill_rows"], "prompt_tokens": sum(map(len, prompts))})
-        print(json.dumps(rows[-1]), flush=True)
+        for name, target in kv_targets.items():
+            gen = GGUFGenerator(target, layer_ids, batch_size=B)
+            resp, el = _run(gen, prompts, args.new_tokens, args.topk)
+            st = gen.last_stats
+            rows.append({"generator": name, "batch": B, "response_tokens": resp, "seconds": round(el, 3),
+                         "response_tokens_per_s": round(resp / el, 1),
+                         "tokens_per_s": round((resp + sum(map(len, prompts))) / el, 1),
+                         "decode_tokens_per_s": round(st["decode_rows"] / st["decode_seconds"], 1),
+                         "prefill_share": round(st["prefill_seconds"] / el, 3),
+                         "prefill_tokens": st["prefill_rows"], "prompt_tokens": sum(map(len, prompts))})
+            print(json.dumps(rows[-1]), flush=True)
     del gguf_target, kv_targets, gen
     fp32_target = load_target("smollm2", linear_kernel="torch", target_format="fp32")[0] if fp32_batches else None
     for B in fp32_batches:

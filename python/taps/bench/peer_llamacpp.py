@@ -324,7 +324,7 @@ def rows_beside_ours(args, tok, items, summary: Dict[str, dict], log,
     for spec, s in summary.items():
         if s.get("decode_tokens_per_s"):
             log(f"  ours: {spec:<42} {s['decode_tokens_per_s']:8.2f}  (all turns)")
-    if ours is not None:
+    if ours:
         done = next(r for r in rows if r["name"] == ROW_COMPLETION)
         a = done["agreement_with_our_ar"] = agreement(tok, ours, [r["text"] for r in done["per_prompt"]])
         log(f"  llama-completion's greedy text = our AR's on {a['identical']} of {a['prompts']} first turns; "
