@@ -83,7 +83,10 @@ class Harness:
                 "max_new_tokens": args.max_new_tokens, "policies": self.specs, "temperature": self.sampling.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "t1_policies": t1, "t1_limit": args.t1_limit,
                 "device": args.device, "dtype": args.dtype,
-                "target_format": target_format_of(self.model), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+                "target_format": target_format_of(self.model),
+                "kv_cache_dtype": str(getattr(self.model, "kv_dtype", None) or next(self.model.parameters()).dtype
+                                      ).replace("torch.", ""),
+                "cpu": cpu_name(), "threads": torch.get_num_threads(),
                 "seed": args.seed, "scorer": portable_path(scorer_dir()),
                 "order": "AR first, then the other policies rotated by one per prompt",
                 "batch_sizes": self.batch_sizes, "hf_baseline": args.hf_baseline,
