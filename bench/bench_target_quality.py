@@ -52,16 +52,13 @@ def main():
     fp32, tok = load_target("smollm2", target_format="fp32", linear_kernel="torch")
     gguf, _ = load_target("smollm2", target_format="gguf")
     gguf_f32_cache = load_gguf_target(gguf.path, kv_dtype=torch.float32)
-    cfg = gguf.config
     agree = agree_cache = total = 0
     nll = {"fp32": 0.0, "gguf": 0.0, "gguf_f32_cache": 0.0}
     max_diff = 0.0
 
     def run(target, x):
         T = x.shape[1]
-        shape = (1, cfg.num_key_value_heads, T, cfg.head_dim)
-        keys = [torch.zeros(shape, dtype=target.kv_dtype) for _ in range(cfg.num_hidden_layers)]
-        values = [torch.zeros(shape, dtype=target.kv_dtype) for _ in range(cfg.num_hidden_layers)]
+        keys, values = target.new_cache(1, T)
         return target.forward_rows(x, torch.arange(T)[None], torch.zeros(1, dtype=torch.int64),
                                    torch.zeros(1, dtype=torch.int64), chain_bits(T), keys, values,
                                    torch.zeros(0, dtype=torch.int64), torch.arange(T))[0]

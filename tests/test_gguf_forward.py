@@ -57,10 +57,7 @@ def _plain_greedy(target, prompt, n):
     """Greedy tokens of ``target`` one forward per token (no decode loop, no tree, no compaction)."""
     from taps.decode.gguf_verifier import chain_bits
 
-    c, T = target.config, len(prompt) + n
-    shape = (1, c.num_key_value_heads, T, c.head_dim)
-    keys = [torch.zeros(shape, dtype=target.kv_dtype) for _ in range(LAYERS)]
-    values = [torch.zeros(shape, dtype=target.kv_dtype) for _ in range(LAYERS)]
+    keys, values = target.new_cache(1, len(prompt) + n)
     zero, none = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
     logits, _ = target.forward_rows(torch.tensor([prompt]), torch.arange(len(prompt))[None], zero, zero,
                                     chain_bits(len(prompt)), keys, values, none, torch.tensor([len(prompt) - 1]))

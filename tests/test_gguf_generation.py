@@ -135,13 +135,12 @@ def test_generation_equals_one_forward_over_the_whole_sequence(tiny):
     prompts, n = _prompts(7, seed=5) + _prompts(7, seed=6, shared=13), 10
     res = GGUFGenerator(target, FEATURES, batch_size=3).generate(prompts[:7], n, eos_id=-1, topk=TOPK)
     res += GGUFGenerator(target, FEATURES, batch_size=3).generate(prompts[7:], n, eos_id=-1, topk=TOPK)
-    c = target.config
     for r in res:
         T = len(r.tokens) - 1  # the last token is never fed
-        cache = [torch.zeros(1, c.num_key_value_heads, T, c.head_dim, dtype=target.kv_dtype) for _ in range(2 * LAYERS)]
+        keys, values = target.new_cache(1, T)
         zero = torch.zeros(1, dtype=torch.int64)
         logits, feats = target.forward_rows(torch.tensor([r.tokens[:T]]), torch.arange(T)[None], zero, zero,
-                                            chain_bits(T), cache[:LAYERS], cache[LAYERS:], torch.tensor(FEATURES),
+                                            chain_bits(T), keys, values, torch.tensor(FEATURES),
                                             torch.arange(r.prompt_len - 1, T))
         assert torch.equal(_bits(r.feats[:T]), _bits(feats[0].half()))
         tv, ti = torch.log_softmax(logits, -1).topk(TOPK, -1)

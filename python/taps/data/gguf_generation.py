@@ -95,13 +95,9 @@ class GGUFGenerator:
 
     # ------------------------------------------------------------------------------------------------ cache
     def _ensure_cache(self, rows: int, capacity: int) -> None:
-        c = self.cfg
-        shape = (rows, int(c.num_key_value_heads), capacity, int(c.head_dim))
         if self.keys and self.keys[0].shape[0] >= rows and self.keys[0].shape[2] >= capacity:
             return  # the buffers of an earlier call serve: lengths say what is valid
-        dt = self.target.kv_dtype
-        self.keys = [torch.zeros(shape, dtype=dt) for _ in range(int(c.num_hidden_layers))]
-        self.values = [torch.zeros(shape, dtype=dt) for _ in range(int(c.num_hidden_layers))]
+        self.keys, self.values = self.target.new_cache(rows, capacity)
 
     # ------------------------------------------------------------------------------------------------ steps
     def _prefill_shared(self, slot: int, prefix: List[int], capture: bool) -> None:

@@ -108,6 +108,15 @@ class GGUFTarget(torch.nn.Module):
             self._head_module = head
         return self._head_module
 
+    def new_cache(self, rows: int, capacity: int) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Zeroed ``(keys, values)``: one ``[rows, kv_heads, capacity, head_dim]`` :attr:`kv_dtype` buffer per layer
+        each, the cache :meth:`forward_rows` reads and writes."""
+        c = self.config
+        shape = (int(rows), int(c.num_key_value_heads), int(capacity), int(c.head_dim))
+        L = int(c.num_hidden_layers)
+        return ([torch.zeros(shape, dtype=self.kv_dtype) for _ in range(L)],
+                [torch.zeros(shape, dtype=self.kv_dtype) for _ in range(L)])
+
     def forward_rows(self, tokens: torch.Tensor, position_ids: torch.Tensor, prefix_lens: torch.Tensor,
                      cache_rows: torch.Tensor, ancestor_bits: torch.Tensor, keys: List[torch.Tensor],
                      values: List[torch.Tensor], feature_layers: torch.Tensor, logit_rows: torch.Tensor):
