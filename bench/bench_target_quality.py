@@ -4,8 +4,10 @@ two formats' next-token choices, each format's perplexity, and the largest logit
 
 Both formats read the same Q4_1 / Q8_0 blocks; they differ in the GGUF forward's int8 activations per 32-block,
 its float16 KV cache (and its float32 reduction orders). The GGUF forward with a float32 cache is measured too
-(``gguf_f32_cache``), so the cache's share of the difference is on record. Writes JSON (default
-``bench/results/gguf_quality_cpu.json``).
+(``gguf_f32_cache``), so the cache's share of the difference is on record. ``--peer llamacpp`` adds llama.cpp on the
+same file and text (teacher-forced through its single-token decode path, ``taps-llamacpp-logits`` from
+``scripts/build_llamacpp.sh``): its perplexity and its agreement with the fp32 format and with ours. Writes JSON
+(default ``bench/results/gguf_quality_cpu.json``).
 """
 import argparse
 import json
@@ -40,11 +42,13 @@ def main():
     ap.add_argument("--length", type=int, default=256, help="tokens per chunk")
     ap.add_argument("--chunks", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--peer", choices=("none", "llamacpp"), default="none",
+                    help="llamacpp: llama.cpp's logits on the same text beside ours (needs scripts/build_llamacpp.sh)")
     ap.add_argument("--out", default="bench/results/gguf_quality_cpu.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from taps.decode.gguf_verifier import chain_bits
+    from taps.bench.peer_llamacpp import llamacpp_logits, logit_gap, teacher_forced_logits
     from taps.decode.latency import cpu_name
     from taps.models.gguf_target import load_gguf_target
     from taps.models.target import load_target
@@ -52,35 +56,42 @@ def main():
     fp32, tok = load_target("smollm2", target_format="fp32", linear_kernel="torch")
     gguf, _ = load_target("smollm2", target_format="gguf")
     gguf_f32_cache = load_gguf_target(gguf.path, kv_dtype=torch.float32)
+    peer = args.peer == "llamacpp"
     agree = agree_cache = total = 0
-    nll = {"fp32": 0.0, "gguf": 0.0, "gguf_f32_cache": 0.0}
+    nll = {"fp32": 0.0, "gguf": 0.0, "gguf_f32_cache": 0.0, **({"llamacpp": 0.0} if peer else {})}
     max_diff = 0.0
-
-    def run(target, x):
-        T = x.shape[1]
-        keys, values = target.new_cache(1, T)
-        return target.forward_rows(x, torch.arange(T)[None], torch.zeros(1, dtype=torch.int64),
-                                   torch.zeros(1, dtype=torch.int64), chain_bits(T), keys, values,
-                                   torch.zeros(0, dtype=torch.int64), torch.arange(T))[0]
+    gaps = {"llamacpp_vs_fp32": [], "llamacpp_vs_gguf": [], "gguf_vs_fp32": []}
 
     for ids in chunks(tok, args.length, args.chunks):
         T = len(ids)
-        x = torch.tensor([ids])
-        ref = fp32(x).logits[0].float()
-        got, got_f32_cache = run(gguf, x), run(gguf_f32_cache, x)
+        logits = {"fp32": fp32(torch.tensor([ids])).logits[0].float(), "gguf": teacher_forced_logits(gguf, ids),
+                  "gguf_f32_cache": teacher_forced_logits(gguf_f32_cache, ids)}
+        if peer:
+            logits["llamacpp"] = llamacpp_logits(gguf.path, ids, 1, args.threads)
+        ref, got = logits["fp32"], logits["gguf"]
         agree += int((ref[:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
-        agree_cache += int((got_f32_cache[:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
+        agree_cache += int((logits["gguf_f32_cache"][:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
         total += T - 1
-        nxt = x[0, 1:]
-        for name, lg in (("fp32", ref), ("gguf", got), ("gguf_f32_cache", got_f32_cache)):
+        nxt = torch.tensor(ids[1:])
+        for name, lg in logits.items():
             nll[name] += float(torch.nn.functional.cross_entropy(lg[:-1], nxt, reduction="sum"))
         max_diff = max(max_diff, float((ref - got).abs().max()))
+        for pair in gaps if peer else ():
+            a, b = pair.split("_vs_")
+            gaps[pair].append(logit_gap(logits[a][:-1], logits[b][:-1]))
     ppl = {k: math.exp(v / total) for k, v in nll.items()}
     res = {"cpu": cpu_name(), "tokens": total, "chunks": args.chunks, "chunk_tokens": args.length,
            "text": "Python standard library sources: " + ", ".join(FILES),
            "kv_dtype": str(gguf.kv_dtype).replace("torch.", ""),
            "top1_agreement": agree / total, "perplexity": ppl, "perplexity_ratio": ppl["gguf"] / ppl["fp32"],
            "max_abs_logit_diff": max_diff, "top1_agreement_with_f32_cache": agree_cache / total}
+    if peer:
+        res["llamacpp"] = {pair: {"top1_agreement": sum(g["top1_agree"] for g in gs) / total,
+                                  "max_abs_logit_diff": max(g["max_abs_logit_diff"] for g in gs),
+                                  "mean_abs_logit_diff": sum(g["mean_abs_logit_diff"] * g["positions"] for g in gs) / total}
+                           for pair, gs in gaps.items()}
+        res["llamacpp"]["path"] = "taps-llamacpp-logits --no-repack: one token per llama_decode (its greedy path)"
+        res["llamacpp"]["perplexity_ratio"] = ppl["llamacpp"] / ppl["fp32"]
     print(json.dumps(res, indent=1))
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1)

@@ -222,3 +222,84 @@ def test_agreement_counts_identical_texts_and_where_they_part():
     a = P.agreement(_CharTokenizer(), ours, ["abc", "abcz", "q", ""])
     # EOS dropped before comparing; "abd" parts from "abcz" after two tokens; an empty output equals an empty text
     assert a == {"identical": 2, "prompts": 4, "agree_tokens": [3, 2, 0, 0]}
+
+
+def test_logit_gap_measures_both_engines_at_the_same_positions():
+    import torch
+
+    ours = torch.tensor([[1.0, 2.0, 3.0], [0.0, 5.0, 1.0]])
+    theirs = torch.tensor([[1.0, 2.5, 3.0], [0.0, 4.0, 6.0]])
+    g = P.logit_gap(ours, theirs)
+    assert g["positions"] == 2 and g["top1_agree"] == 1  # row 1: token 1 vs token 2
+    assert g["max_abs_logit_diff"] == pytest.approx(5.0)
+    assert g["mean_abs_logit_diff"] == pytest.approx(6.5 / 6)
+    want = (torch.log_softmax(ours.double(), -1) - torch.log_softmax(theirs.double(), -1)).abs().max()
+    assert g["max_abs_logprob_diff"] == pytest.approx(float(want))
+    with pytest.raises(ValueError, match=r"\(2, 3\) and \(2, 2\)"):
+        P.logit_gap(ours, theirs[:, :2])
+
+
+def _fake_logits_tool(d, rows_written=None):
+    """A stand-in ``taps-llamacpp-logits``: logits ``[L - P + 1, 4]`` with row j = (token P - 1 + j) * [1, 2, 3, 4];
+    it records its argv. ``rows_written``: write this many floats instead (a broken tool)."""
+    import sys
+
+    p = d / P.LOGITS_TOOL
+    p.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""\
+        import sys, struct
+        open(sys.argv[4] + ".argv", "w").write(" ".join(sys.argv[1:]))
+        lines = open(sys.argv[3]).read().split()
+        n, ids = int(lines[0]), [int(t) for t in lines[1:]]
+        vals = [t * k for t in ids[n - 1:] for k in (1, 2, 3, 4)]
+        if {rows_written!r} is not None:
+            vals = vals[:{rows_written!r}]
+        open(sys.argv[4], "wb").write(struct.pack(f"<{{len(vals)}}f", *vals))
+        """))
+    p.chmod(p.stat().st_mode | stat.S_IXUSR)
+
+
+def test_llamacpp_logits_through_stand_in(no_tools, tmp_path, monkeypatch):
+    import torch
+
+    with pytest.raises(RuntimeError, match="taps-llamacpp-logits not found") as e:
+        P.llamacpp_logits(tmp_path / "m.gguf", [1, 2, 3], 2, 1)
+    assert "scripts/build_llamacpp.sh" in str(e.value)
+    _fake_logits_tool(no_tools)
+    assert P.find_logits_tool() == no_tools / P.LOGITS_TOOL
+    seen = []
+    real_run = P._run
+    monkeypatch.setattr(P, "_run", lambda tool, argv, timeout: seen.append([str(a) for a in argv]) or
+                        real_run(tool, argv, timeout))
+    got = P.llamacpp_logits(tmp_path / "m.gguf", [5, 6, 7, 8], 2, 1)
+    assert torch.equal(got, torch.tensor([[t * k for k in (1.0, 2.0, 3.0, 4.0)] for t in (6, 7, 8)]))
+    argv = seen[0]
+    assert argv[1:3] == [str(tmp_path / "m.gguf"), "1"] and argv[-1] == "--no-repack"
+    with pytest.raises(ValueError, match="prompt_len: expected 1 .. 4, received 0"):
+        P.llamacpp_logits(tmp_path / "m.gguf", [5, 6, 7, 8], 0, 1)
+    _fake_logits_tool(no_tools, rows_written=5)
+    with pytest.raises(RuntimeError, match="wrote 5 floats, not a multiple of 3 rows"):
+        P.llamacpp_logits(tmp_path / "m.gguf", [5, 6, 7, 8], 2, 1)
+
+
+def test_teacher_forced_logits_are_the_token_by_token_rows(tmp_path):
+    """The check's side of ours: one forward over the sequence gives, row for row, the logits of decoding it one
+    token at a time (bit for bit), from the row after ``first - 1`` on."""
+    import torch
+
+    _C = pytest.importorskip("taps_kernels._C")
+    if not _C.gguf_forward_available():
+        pytest.skip("the GGUF forward needs AVX-512 or AVX2")
+    from gguf_models import write_tiny_gguf
+
+    from taps.decode.gguf_verifier import chain_bits
+    from taps.models.gguf_target import load_gguf_target
+
+    target = load_gguf_target(write_tiny_gguf(tmp_path / "tiny.gguf", vocab=80, layers=2))
+    ids = [3, 9, 27, 14, 42, 5, 77, 1, 60]
+    keys, values = target.new_cache(1, len(ids))
+    zero, none = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    alone = [target.forward_rows(torch.tensor([[t]]), torch.tensor([[i]]), torch.tensor([i]), zero, chain_bits(1),
+                                 keys, values, none, zero)[0][0] for i, t in enumerate(ids)]
+    got = P.teacher_forced_logits(target, ids, 3)
+    assert got.shape == (len(ids) - 3, 80)
+    assert torch.equal(got, torch.stack(alone[3:]))

@@ -126,7 +126,7 @@ class Harness:
                     ar = {r["id"]: r["turns"][0]["token_ids"] for r in records[ds] if r["policy"] == "ar"}
                     ours = [ar[it.id] for it in items] if sampling.greedy and len(ar) == len(items) else None
                     self.out["peers"][ds] = peer_llamacpp.rows_beside_ours(args, self.tok, items, run_rec["policies"],
-                                                                           log, ours)
+                                                                           log, ours, self.model)
         finally:
             self.close()
         out = self.out

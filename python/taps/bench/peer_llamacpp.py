@@ -11,6 +11,11 @@ llama-cpp-python 0.3.36 sdist) and nothing in the test suite or CI needs them. T
 * ``llamacpp-lookup`` -- ``llama-lookup --no-repack --spec-draft-n-max 8``: the same with llama.cpp's
   n-gram prompt-lookup speculative decoding (greedy, so the text matches ``llamacpp``'s up to length).
 
+and a check of the numbers themselves: ``taps-llamacpp-logits`` (``scripts/llamacpp_logits.cpp``, built beside
+the tools against llama.cpp's library) runs llama.cpp's greedy path teacher-forced on given tokens and writes its
+logits, which :func:`logit_check` compares with our target's on the same tokens (largest and mean logit
+difference, top-1 agreement).
+
 Tools are looked up in ``$TAPS_LLAMACPP_DIR`` and then ``$TAPS_CACHE/llamacpp/build/bin``
 (``$TAPS_CACHE`` defaults to ``~/.cache/taps``). Every command has a timeout; a failing one raises
 RuntimeError naming the tool, the command and the last lines of its stderr.
@@ -30,6 +35,7 @@ from taps.paths import cache_root, portable_command
 from . import BenchError
 
 TOOLS = ("llama-bench", "llama-completion", "llama-lookup")
+LOGITS_TOOL = "taps-llamacpp-logits"
 SDIST = "llama-cpp-python 0.3.36"
 DRAFT_N_MAX = 8
 TIMEOUT_S = 900
@@ -60,6 +66,15 @@ def find_llamacpp() -> Optional[Dict[str, Path]]:
         paths = {t: d / t for t in TOOLS}
         if all(p.is_file() and os.access(p, os.X_OK) for p in paths.values()):
             return paths
+    return None
+
+
+def find_logits_tool() -> Optional[Path]:
+    """``taps-llamacpp-logits`` from the first directory of :func:`tool_dirs` holding it, or None."""
+    for d in tool_dirs():
+        p = d / LOGITS_TOOL
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
     return None
 
 
@@ -301,18 +316,99 @@ def agreement(tok, ours: Sequence[Sequence[int]], theirs: Sequence[str]) -> Dict
     return {"identical": same, "prompts": len(agree), "agree_tokens": agree}
 
 
+# ------------------------------------------------------------------------------------------- logits
+
+def llamacpp_logits(gguf, ids: Sequence[int], prompt_len: int, threads: int, timeout: float = TIMEOUT_S):
+    """llama.cpp's logits ``[len(ids) - prompt_len + 1, vocab] float32`` after each of ``ids[prompt_len - 1:]``:
+    the prompt ``ids[:prompt_len]`` as one batch, then each further token alone (llama-completion's greedy path,
+    ``--no-repack``), through ``taps-llamacpp-logits``."""
+    import numpy as np
+    import torch
+
+    tool = find_logits_tool()
+    if tool is None:
+        raise RuntimeError(f"{LOGITS_TOOL} not found (looked in {', '.join(str(d) for d in tool_dirs())}); build it "
+                           "with `bash scripts/build_llamacpp.sh`")
+    if not 1 <= prompt_len <= len(ids):
+        raise ValueError(f"prompt_len: expected 1 .. {len(ids)}, received {prompt_len}")
+    with tempfile.TemporaryDirectory(prefix="taps-llamacpp-") as tmp:
+        tokens, out = Path(tmp) / "tokens.txt", Path(tmp) / "logits.f32"
+        tokens.write_text(f"{prompt_len}\n" + " ".join(str(int(t)) for t in ids) + "\n", encoding="utf-8")
+        _run(LOGITS_TOOL, [tool, gguf, threads, tokens, out, "--no-repack"], timeout)
+        flat = torch.from_numpy(np.fromfile(out, dtype=np.float32))
+    rows = len(ids) - prompt_len + 1
+    if flat.numel() % rows:
+        raise RuntimeError(f"{LOGITS_TOOL} wrote {flat.numel()} floats, not a multiple of {rows} rows")
+    return flat.view(rows, -1)
+
+
+def teacher_forced_logits(target, ids: Sequence[int], first: int = 0):
+    """``target``'s logits ``[len(ids) - first, vocab] float32`` after each of ``ids[first:]``, from one forward over
+    the whole sequence in a fresh cache: for a GGUF target each row is the one decoding token by token gives, bit
+    for bit (``tests/test_gguf_forward.py``); a transformers model runs its own forward."""
+    import torch
+
+    from taps.decode.gguf_verifier import chain_bits
+    from taps.models.gguf_target import GGUFTarget
+
+    T = len(ids)
+    x = torch.tensor([list(ids)], dtype=torch.int64)
+    with torch.no_grad():
+        if not isinstance(target, GGUFTarget):
+            return target(x).logits[0, first:].float()
+        keys, values = target.new_cache(1, T)
+        zero = torch.zeros(1, dtype=torch.int64)
+        return target.forward_rows(x, torch.arange(T)[None], zero, zero, chain_bits(T), keys, values,
+                                   torch.zeros(0, dtype=torch.int64), torch.arange(first, T))[0]
+
+
+def logit_gap(ours, theirs) -> Dict:
+    """Two engines' logits ``[N, vocab]`` at the same N positions: ``positions``, ``max_abs_logit_diff``,
+    ``mean_abs_logit_diff``, ``max_abs_logprob_diff`` (after each row's log-softmax) and ``top1_agree`` (positions
+    whose argmax is the same token)."""
+    import torch
+
+    if ours.shape != theirs.shape:
+        raise ValueError(f"logits: expected two tensors of one shape, received {tuple(ours.shape)} and "
+                         f"{tuple(theirs.shape)}")
+    a, b = ours.double(), theirs.double()
+    diff = (a - b).abs()
+    lp = (torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs()
+    return {"positions": int(a.shape[0]), "max_abs_logit_diff": float(diff.max()),
+            "mean_abs_logit_diff": float(diff.mean()), "max_abs_logprob_diff": float(lp.max()),
+            "top1_agree": int((a.argmax(-1) == b.argmax(-1)).sum())}
+
+
+def logit_check(target, gguf, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], threads: int) -> Dict:
+    """llama.cpp's logits against ``target``'s, teacher-forced on each of ``sequences`` (a prompt of
+    ``prompt_lens[i]`` tokens and a continuation) at the positions that predict the continuation and the token
+    after it. Returns the totals of :func:`logit_gap` over all positions (``top1_agreement`` a share),
+    ``per_prompt`` (each prompt's gap) and the ``command`` (the token and output files as TOKENS.txt / OUT.f32)."""
+    per = [logit_gap(teacher_forced_logits(target, ids, p - 1), llamacpp_logits(gguf, ids, p, threads))
+           for ids, p in zip(sequences, prompt_lens)]
+    n = sum(g["positions"] for g in per)
+    return {"prompts": len(per), "positions": n,
+            "max_abs_logit_diff": max(g["max_abs_logit_diff"] for g in per),
+            "mean_abs_logit_diff": sum(g["mean_abs_logit_diff"] * g["positions"] for g in per) / n,
+            "max_abs_logprob_diff": max(g["max_abs_logprob_diff"] for g in per),
+            "top1_agreement": sum(g["top1_agree"] for g in per) / n, "per_prompt": per,
+            "command": portable_command([LOGITS_TOOL, gguf, threads, "TOKENS.txt", "OUT.f32", "--no-repack"])}
+
+
 def rows_beside_ours(args, tok, items, summary: Dict[str, dict], log,
-                     ours: Optional[Sequence[Sequence[int]]] = None) -> List[dict]:
+                     ours: Optional[Sequence[Sequence[int]]] = None, target=None) -> List[dict]:
     """llama.cpp's rows on the first turns of ``items`` (same GGUF, token count and threads), printed beside
     our decode-only tokens/s; ``args`` holds ``target`` and ``max_new_tokens``, ``log`` prints a line. ``ours``:
-    our AR's first-turn tokens per item; the completion row then records :func:`agreement` with them."""
+    our AR's first-turn tokens per item; the completion row then records :func:`agreement` with them, and with
+    ``target`` (our model) and ``taps-llamacpp-logits`` built, :func:`logit_check` on those tokens."""
     import torch
 
     from taps.data import encode_prompt
     from taps.models.target import SMOLLM2_NAMES, find_smollm2_gguf
 
     gguf = find_smollm2_gguf() if args.target in SMOLLM2_NAMES else Path(args.target)
-    texts = [tok.decode(encode_prompt(tok, it.turns[0], raw=it.raw)) for it in items]
+    prompts = [encode_prompt(tok, it.turns[0], raw=it.raw) for it in items]
+    texts = [tok.decode(p) for p in prompts]
     try:
         rows = peer_rows(gguf, texts, args.max_new_tokens, torch.get_num_threads())
     except RuntimeError as e:
@@ -329,5 +425,11 @@ def rows_beside_ours(args, tok, items, summary: Dict[str, dict], log,
         a = done["agreement_with_our_ar"] = agreement(tok, ours, [r["text"] for r in done["per_prompt"]])
         log(f"  llama-completion's greedy text = our AR's on {a['identical']} of {a['prompts']} first turns; "
             f"tokens before they part: median {sorted(a['agree_tokens'])[len(a['agree_tokens']) // 2]}")
+        if target is not None and find_logits_tool() is not None:
+            c = done["logits_vs_ours"] = logit_check(target, gguf, [list(p) + list(o) for p, o in zip(prompts, ours)],
+                                                     [len(p) for p in prompts], torch.get_num_threads())
+            log(f"  llama.cpp's logits on our AR's tokens ({c['positions']} positions): largest difference "
+                f"{c['max_abs_logit_diff']:.3f}, mean {c['mean_abs_logit_diff']:.3f}, same top-1 at "
+                f"{100 * c['top1_agreement']:.1f}%")
     return rows
 

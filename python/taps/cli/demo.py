@@ -46,9 +46,9 @@ def demo_policies():
     return specs
 
 
-def _peer_rows(args, tok, items, summary, ours) -> None:
+def _peer_rows(args, model, tok, items, summary, ours) -> None:
     """llama.cpp beside our rows (``taps bench --peer llamacpp``'s rows) where it is built for the GGUF target;
-    ``ours``: our AR's first-turn tokens per item (the agreement check)."""
+    ``ours``: our AR's first-turn tokens per item (the agreement and logit checks against ``model``)."""
     from taps.models.target import SMOLLM2_NAMES
 
     from taps.bench import peer_llamacpp
@@ -62,7 +62,7 @@ def _peer_rows(args, tok, items, summary, ours) -> None:
         print("\n(llama.cpp is not built: `bash scripts/build_llamacpp.sh` adds its rows on the same GGUF)")
         return
     print()
-    peer_llamacpp.rows_beside_ours(args, tok, items, summary, print, ours)
+    peer_llamacpp.rows_beside_ours(args, tok, items, summary, print, ours, model)
 
 
 def run(args) -> int:
@@ -104,7 +104,7 @@ def run(args) -> int:
     summary = summarize(results)
     print()
     print(format_table(summary))
-    _peer_rows(args, tok, items, summary, [r["turns"][0]["token_ids"] for r in results["ar"]])
+    _peer_rows(args, model, tok, items, summary, [r["turns"][0]["token_ids"] for r in results["ar"]])
     first = results["ar"][0]
     print(f"\nsample ({first['id']}, AR):\n{first['turns'][0]['text'][:400]}")
     bad = [(s, r["id"]) for s, recs in results.items() for r in recs if not r["identical_to_ar"]]
