@@ -426,8 +426,12 @@ def rows_beside_ours(args, tok, items, summary: Dict[str, dict], log,
         log(f"  llama-completion's greedy text = our AR's on {a['identical']} of {a['prompts']} first turns; "
             f"tokens before they part: median {sorted(a['agree_tokens'])[len(a['agree_tokens']) // 2]}")
         if target is not None and find_logits_tool() is not None:
-            c = done["logits_vs_ours"] = logit_check(target, gguf, [list(p) + list(o) for p, o in zip(prompts, ours)],
-                                                     [len(p) for p in prompts], torch.get_num_threads())
+            try:
+                c = logit_check(target, gguf, [list(p) + list(o) for p, o in zip(prompts, ours)],
+                                [len(p) for p in prompts], torch.get_num_threads())
+            except RuntimeError as e:
+                raise BenchError(f"--peer llamacpp: {e}") from None
+            done["logits_vs_ours"] = c
             log(f"  llama.cpp's logits on our AR's tokens ({c['positions']} positions): largest difference "
                 f"{c['max_abs_logit_diff']:.3f}, mean {c['mean_abs_logit_diff']:.3f}, same top-1 at "
                 f"{100 * c['top1_agreement']:.1f}%")
