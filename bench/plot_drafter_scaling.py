@@ -30,10 +30,10 @@ def fit(xs, ys):
     return my - b * mx, b
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--drafter", default="checkpoints/smollm2-dflash")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     d = Path(args.drafter)
     runs = json.loads((d / "eval_heldout_v2.json").read_text())["runs"]
     points = [{"run": r, "minutes": m, "response_tokens": n, "label": label,
