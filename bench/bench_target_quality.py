@@ -48,7 +48,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from taps.bench.peer_llamacpp import llamacpp_logits, logit_gap, teacher_forced_logits
+    from taps.bench.peer_llamacpp import combine_gaps, llamacpp_logits, logit_gap, teacher_forced_logits
     from taps.decode.latency import cpu_name
     from taps.models.gguf_target import load_gguf_target
     from taps.models.target import load_target
@@ -57,39 +57,35 @@ def main():
     gguf, _ = load_target("smollm2", target_format="gguf")
     gguf_f32_cache = load_gguf_target(gguf.path, kv_dtype=torch.float32)
     peer = args.peer == "llamacpp"
-    agree = agree_cache = total = 0
-    nll = {"fp32": 0.0, "gguf": 0.0, "gguf_f32_cache": 0.0, **({"llamacpp": 0.0} if peer else {})}
-    max_diff = 0.0
-    gaps = {"llamacpp_vs_fp32": [], "llamacpp_vs_gguf": [], "gguf_vs_fp32": []}
+    # each pair is (theirs, ours): logit_gap's positions predict the chunk's next tokens, so its last row is left out
+    pairs = {"gguf_vs_fp32": ("fp32", "gguf"), "gguf_vs_gguf_f32_cache": ("gguf_f32_cache", "gguf")}
+    if peer:
+        pairs.update(llamacpp_vs_fp32=("fp32", "llamacpp"), llamacpp_vs_gguf=("gguf", "llamacpp"))
+    gaps = {pair: [] for pair in pairs}
+    nll = {}
 
     for ids in chunks(tok, args.length, args.chunks):
-        T = len(ids)
         logits = {"fp32": fp32(torch.tensor([ids])).logits[0].float(), "gguf": teacher_forced_logits(gguf, ids),
                   "gguf_f32_cache": teacher_forced_logits(gguf_f32_cache, ids)}
         if peer:
             logits["llamacpp"] = llamacpp_logits(gguf.path, ids, 1, args.threads)
-        ref, got = logits["fp32"], logits["gguf"]
-        agree += int((ref[:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
-        agree_cache += int((logits["gguf_f32_cache"][:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
-        total += T - 1
         nxt = torch.tensor(ids[1:])
         for name, lg in logits.items():
-            nll[name] += float(torch.nn.functional.cross_entropy(lg[:-1], nxt, reduction="sum"))
-        max_diff = max(max_diff, float((ref - got).abs().max()))
-        for pair in gaps if peer else ():
-            a, b = pair.split("_vs_")
-            gaps[pair].append(logit_gap(logits[a][:-1], logits[b][:-1]))
+            nll[name] = nll.get(name, 0.0) + float(torch.nn.functional.cross_entropy(lg[:-1], nxt, reduction="sum"))
+        for pair, (theirs, ours) in pairs.items():
+            gaps[pair].append(logit_gap(logits[ours][:-1], logits[theirs][:-1]))
+    totals = {pair: combine_gaps(gs) for pair, gs in gaps.items()}
+    total = totals["gguf_vs_fp32"]["positions"]
     ppl = {k: math.exp(v / total) for k, v in nll.items()}
     res = {"cpu": cpu_name(), "tokens": total, "chunks": args.chunks, "chunk_tokens": args.length,
            "text": "Python standard library sources: " + ", ".join(FILES),
            "kv_dtype": str(gguf.kv_dtype).replace("torch.", ""),
-           "top1_agreement": agree / total, "perplexity": ppl, "perplexity_ratio": ppl["gguf"] / ppl["fp32"],
-           "max_abs_logit_diff": max_diff, "top1_agreement_with_f32_cache": agree_cache / total}
+           "top1_agreement": totals["gguf_vs_fp32"]["top1_agreement"], "perplexity": ppl,
+           "perplexity_ratio": ppl["gguf"] / ppl["fp32"],
+           "max_abs_logit_diff": totals["gguf_vs_fp32"]["max_abs_logit_diff"],
+           "top1_agreement_with_f32_cache": totals["gguf_vs_gguf_f32_cache"]["top1_agreement"]}
     if peer:
-        res["llamacpp"] = {pair: {"top1_agreement": sum(g["top1_agree"] for g in gs) / total,
-                                  "max_abs_logit_diff": max(g["max_abs_logit_diff"] for g in gs),
-                                  "mean_abs_logit_diff": sum(g["mean_abs_logit_diff"] * g["positions"] for g in gs) / total}
-                           for pair, gs in gaps.items()}
+        res["llamacpp"] = {pair: totals[pair] for pair in ("llamacpp_vs_fp32", "llamacpp_vs_gguf", "gguf_vs_fp32")}
         res["llamacpp"]["path"] = "taps-llamacpp-logits --no-repack: one token per llama_decode (its greedy path)"
         res["llamacpp"]["perplexity_ratio"] = ppl["llamacpp"] / ppl["fp32"]
     print(json.dumps(res, indent=1))

@@ -239,6 +239,18 @@ def test_logit_gap_measures_both_engines_at_the_same_positions():
         P.logit_gap(ours, theirs[:, :2])
 
 
+def test_combine_gaps_equals_one_gap_over_all_rows():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    ours, theirs = torch.randn(7, 5, generator=g), torch.randn(7, 5, generator=g)
+    whole = P.logit_gap(ours, theirs)
+    parts = P.combine_gaps([P.logit_gap(ours[:2], theirs[:2]), P.logit_gap(ours[2:], theirs[2:])])
+    assert parts["positions"] == 7 and parts["top1_agreement"] == whole["top1_agree"] / 7
+    for key in ("max_abs_logit_diff", "mean_abs_logit_diff", "max_abs_logprob_diff"):
+        assert parts[key] == pytest.approx(whole[key], rel=1e-12)
+
+
 def _fake_logits_tool(d, rows_written=None):
     """A stand-in ``taps-llamacpp-logits``: logits ``[L - P + 1, 4]`` with row j = (token P - 1 + j) * [1, 2, 3, 4];
     it records its argv. ``rows_written``: write this many floats instead (a broken tool)."""

@@ -379,19 +379,24 @@ def logit_gap(ours, theirs) -> Dict:
             "top1_agree": int((a.argmax(-1) == b.argmax(-1)).sum())}
 
 
+def combine_gaps(gaps: Sequence[Dict]) -> Dict:
+    """The totals of several :func:`logit_gap` results: ``positions``, the largest ``max_abs_logit_diff`` and
+    ``max_abs_logprob_diff``, the position-weighted ``mean_abs_logit_diff`` and ``top1_agreement`` (a share)."""
+    n = sum(g["positions"] for g in gaps)
+    return {"positions": n, "max_abs_logit_diff": max(g["max_abs_logit_diff"] for g in gaps),
+            "mean_abs_logit_diff": sum(g["mean_abs_logit_diff"] * g["positions"] for g in gaps) / n,
+            "max_abs_logprob_diff": max(g["max_abs_logprob_diff"] for g in gaps),
+            "top1_agreement": sum(g["top1_agree"] for g in gaps) / n}
+
+
 def logit_check(target, gguf, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], threads: int) -> Dict:
     """llama.cpp's logits against ``target``'s, teacher-forced on each of ``sequences`` (a prompt of
     ``prompt_lens[i]`` tokens and a continuation) at the positions that predict the continuation and the token
-    after it. Returns the totals of :func:`logit_gap` over all positions (``top1_agreement`` a share),
-    ``per_prompt`` (each prompt's gap) and the ``command`` (the token and output files as TOKENS.txt / OUT.f32)."""
+    after it. Returns :func:`combine_gaps` over all positions, ``per_prompt`` (each prompt's gap) and the
+    ``command`` (the token and output files as TOKENS.txt / OUT.f32)."""
     per = [logit_gap(teacher_forced_logits(target, ids, p - 1), llamacpp_logits(gguf, ids, p, threads))
            for ids, p in zip(sequences, prompt_lens)]
-    n = sum(g["positions"] for g in per)
-    return {"prompts": len(per), "positions": n,
-            "max_abs_logit_diff": max(g["max_abs_logit_diff"] for g in per),
-            "mean_abs_logit_diff": sum(g["mean_abs_logit_diff"] * g["positions"] for g in per) / n,
-            "max_abs_logprob_diff": max(g["max_abs_logprob_diff"] for g in per),
-            "top1_agreement": sum(g["top1_agree"] for g in per) / n, "per_prompt": per,
+    return {"prompts": len(per), **combine_gaps(per), "per_prompt": per,
             "command": portable_command([LOGITS_TOOL, gguf, threads, "TOKENS.txt", "OUT.f32", "--no-repack"])}
 
 
