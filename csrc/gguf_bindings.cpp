@@ -381,8 +381,8 @@ void register_gguf(py::module& m) {
   m.def("gguf_amx_available", &taps::gguf::amx_available,
         "whether the AMX tile kernel runs here: AMX-INT8, the tile permission, and its start-up check against VNNI");
   m.def("gguf_kernel_path", [] { return std::string(taps::gguf::kernel_path_name(taps::gguf::kernel_path())); },
-        "the block kernels gguf_linear and the GGUF forward run here: 'amx' (from 4 rows; VNNI below), 'vnni', "
-        "'avx2' or 'scalar' ('amx-emulated' where TAPS_GGUF_KERNELS asks for it)");
+        "the block kernels gguf_linear and the GGUF forward run here: 'amx' (tiles for 16-row chunks, VNNI for the "
+        "rest), 'vnni', 'avx2' or 'scalar' ('amx-emulated' where TAPS_GGUF_KERNELS asks for it)");
   m.def("gguf_forward_available", &taps::gguf::forward_available,
         "whether the GGUF forward runs here (AVX-512F, or AVX2 with FMA and F16C)");
   py::class_<GGUFModel>(m, "GGUFModel")

@@ -422,13 +422,21 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float
 void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a, const float* scale,
                    const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1, KernelPath path) {
   path = runnable(path);
-  if (path == KernelPath::Amx && M < kAmxMinRows) path = KernelPath::Vnni;
   switch (path) {
 #ifdef TAPS_HAVE_VNNI_PATH
     case KernelPath::Amx:
-    case KernelPath::AmxEmulated:
-      packed_linear_amx(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1, path == KernelPath::AmxEmulated);
+    case KernelPath::AmxEmulated: {
+      // every row's bits are the same on both paths, so the rows may be split between them freely
+      const int64_t tiled = amx_tile_rows(M), KB = K / kBlock;
+      if (tiled > 0) {
+        packed_linear_amx(t, packed, N, K, a, scale, asum, tiled, y, ldy, g0, g1, path == KernelPath::AmxEmulated);
+      }
+      if (tiled < M) {
+        packed_linear_vnni(t, packed, N, K, a + tiled * K, scale + tiled * KB, asum + tiled * KB, M - tiled,
+                           y + tiled * ldy, ldy, g0, g1);
+      }
       return;
+    }
     case KernelPath::Vnni: packed_linear_vnni(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1); return;
 #endif
     case KernelPath::Avx2: packed_linear_avx2(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1); return;

@@ -10,8 +10,8 @@
 // Then the float step of the VNNI path, the same multiplies and adds in the same order, so every row equals
 // the VNNI path's (and the plain loops') row bit for bit, whatever the row count.
 //
-// The tile multiply of block kb + 1 is issued before the float step of block kb (two sets of tiles and C
-// buffers), so the tile unit and the vector units work at the same time.
+// The tile multiplies run a few blocks ahead of the float step (a ring of C buffers and unpacked B operands,
+// two sets of tiles), so that no load waits on a store just made; see kTileAhead.
 //
 // The same driver runs with the tile multiplies done by plain loops (EmulatedTiles, the path "amx-emulated"):
 // that is how the layout, the chunking and the float step are tested on CPUs without AMX. The hardware path
@@ -129,37 +129,49 @@ TAPS_AMX_FLOAT inline void unpack_q4_1(const uint8_t* rec, uint8_t* b) {
   }
 }
 
-// C of block kb for the 16 rows of x from m0, through tile set `set` (B of a Q4_1 record unpacked into b).
+// The tile unit runs kTileAhead blocks ahead of the float step (a ring of kRing C buffers and unpacked B
+// operands): a tile store read back at once, or a tile load of B just written by vector stores, waits for the
+// store to land in L1, and a loop of one-block steps is then bound by that round trip (~100 cycles a block on
+// a Sapphire Rapids core: slower than VNNI at every row count). Ahead by 2 and 5 measured within noise of 3.
+constexpr int64_t kTileAhead = 3, kRing = 2 * kTileAhead + 2;
+
+// At iteration kb of the float step: unpack block kb + kTileAhead's B (Q4_1), multiply block kb (already unpacked).
 template <class Tiles, BlockType T>
-TAPS_AMX_FLOAT inline void multiply_block(const uint8_t* rec, int64_t kb, const Interleaved& x, int64_t m0,
-                                          uint8_t* b, int32_t* c, int set) {
-  const uint8_t* w = rec + kb * (T == BlockType::Q4_1 ? kQ41Record : kQ80Record);
-  if (T == BlockType::Q4_1) {
-    unpack_q4_1(w, b);
-    w = b;
+TAPS_AMX_FLOAT inline void tile_stage(const uint8_t* rec, int64_t kb, int64_t KB, const Interleaved& x, int64_t m0,
+                                      uint8_t (*b)[512], int32_t (*c)[kTileRows * 16]) {
+  const int64_t R = T == BlockType::Q4_1 ? kQ41Record : kQ80Record;
+  if (T == BlockType::Q4_1 && kb + kTileAhead < KB) {
+    unpack_q4_1(rec + (kb + kTileAhead) * R, b[(kb + kTileAhead) % kRing]);
   }
-  Tiles::multiply(set, x.act + (kb * x.M + m0) * kBlock, w, c);
+  if (kb < KB) {
+    const uint8_t* w = T == BlockType::Q4_1 ? b[kb % kRing] : rec + kb * R;
+    Tiles::multiply(static_cast<int>(kb & 1), x.act + (kb * x.M + m0) * kBlock, w, c[kb % kRing]);
+  }
 }
 
 // Rows m0 .. m0 + MC (MC <= 16) of x over one group of 16 output rows; rows past N are masked out of the store.
 template <class Tiles, BlockType T, int MC>
 TAPS_AMX_FLOAT void group_rows(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, float* y,
                                int64_t ldy, __mmask16 store) {
-  alignas(64) int32_t c[2][kTileRows * 16];
-  alignas(64) uint8_t b[2][512];
+  alignas(64) int32_t c[kRing][kTileRows * 16];
+  alignas(64) uint8_t b[kRing][512];
+  const int64_t R = T == BlockType::Q4_1 ? kQ41Record : kQ80Record;
+  if (T == BlockType::Q4_1) {
+    for (int64_t kb = 0; kb < std::min(KB, kTileAhead); ++kb) unpack_q4_1(rec + kb * R, b[kb]);
+  }
+  for (int64_t kb = 0; kb < kTileAhead; ++kb) tile_stage<Tiles, T>(rec, kb, KB, x, m0, b, c);
   __m512 acc[MC];
   for (int r = 0; r < MC; ++r) acc[r] = _mm512_setzero_ps();
-  multiply_block<Tiles, T>(rec, 0, x, m0, b[0], c[0], 0);
   for (int64_t kb = 0; kb < KB; ++kb) {
-    const int set = static_cast<int>(kb & 1);
-    if (kb + 1 < KB) multiply_block<Tiles, T>(rec, kb + 1, x, m0, b[set ^ 1], c[set ^ 1], set ^ 1);
-    const uint8_t* r = rec + kb * (T == BlockType::Q4_1 ? kQ41Record : kQ80Record);
+    tile_stage<Tiles, T>(rec, kb + kTileAhead, KB, x, m0, b, c);
+    const int32_t* cb = c[kb % kRing];
+    const uint8_t* r = rec + kb * R;
     const float* meta = x.meta + (kb * x.M + m0) * 2;
     if (T == BlockType::Q4_1) {
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 256)));
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 288)));
       for (int i = 0; i < MC; ++i) {
-        const __m512i is = _mm512_load_si512(c[set] + 16 * i);
+        const __m512i is = _mm512_load_si512(cb + 16 * i);
         const __m512 blk = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(is)),
                                          _mm512_mul_ps(mv, _mm512_set1_ps(meta[2 * i + 1])));
         acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(blk, _mm512_set1_ps(meta[2 * i])));
@@ -169,7 +181,7 @@ TAPS_AMX_FLOAT void group_rows(const uint8_t* rec, int64_t KB, const Interleaved
       const int32_t* a128 = x.asum128 + kb * x.M + m0;
       for (int i = 0; i < MC; ++i) {
         // the weights are stored as q + 128: take 128 * sum a back
-        const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(c[set] + 16 * i), _mm512_set1_epi32(a128[i]));
+        const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(cb + 16 * i), _mm512_set1_epi32(a128[i]));
         const __m512 blk = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(exact));
         acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(blk, _mm512_set1_ps(meta[2 * i])));
       }

@@ -298,7 +298,8 @@ def _cpu_int8_linear_backend() -> Tuple[str, str]:
 @functools.lru_cache(maxsize=None)
 def gguf_linear_backend() -> Tuple[str, str]:
     """``(path, why)`` of the GGUF block kernels (``csrc/gguf_linear.h``) and the GGUF target's forward on this
-    CPU: ``"amx"`` (AMX-INT8 tiles from 4 rows, VNNI below; used after a start-up check against VNNI),
+    CPU: ``"amx"`` (AMX-INT8 tiles for each 16 rows of a call and a last 12-15, VNNI for the rest; used after a
+    start-up check against VNNI),
     ``"vnni"`` (AVX-512 VNNI), ``"avx2"`` (vpmaddubsw sums that cannot saturate), ``"scalar"`` (the same
     arithmetic in plain loops: exact, slow), ``"amx-emulated"`` (only where ``TAPS_GGUF_KERNELS`` asks for it) or
     ``"unavailable"``; every path gives the same bits."""
@@ -311,8 +312,8 @@ def gguf_linear_backend() -> Tuple[str, str]:
     amx = ("; this CPU reports AMX-INT8, but the tile kernel's start-up check (tile permission, result equal to "
            "VNNI's in a child process) failed") if "amx_int8" in cpu_flags() and not mod.gguf_amx_available() else ""
     if path == "amx":
-        return "amx", ("AMX-INT8 tiles (tdpbsud) over Q4_1 / Q8_0 blocks from 4 rows, VNNI below; passed its start-up "
-                       "check against VNNI")
+        return "amx", ("AMX-INT8 tiles (tdpbsud) over Q4_1 / Q8_0 blocks for each 16 rows of a call and a last 12-15, "
+                       "VNNI for the rest; passed its start-up check against VNNI")
     if path == "amx-emulated":
         return path, "the AMX kernel with its tile multiplies in plain loops (TAPS_GGUF_KERNELS; a test path)"
     if path == "vnni":
