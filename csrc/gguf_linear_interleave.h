@@ -23,6 +23,10 @@ struct Interleaved {
 
 constexpr int64_t kActTailRows = 16;
 
+// Both kernels ask for the packed record kPrefetchRecords ahead of the one they read (past a group's end that is
+// the next group's first records, which follow in memory): the hardware prefetcher alone left the loads exposed.
+constexpr int64_t kPrefetchRecords = 8;
+
 // a [M, K] int8, scale / asum [M, K/32] as quantize_activations writes them -> the interleaved copy, in buffers
 // of the calling thread (valid until its next call).
 Interleaved interleave_activations(const int8_t* a, const float* scale, const int32_t* asum, int64_t M, int64_t K);
