@@ -7,11 +7,13 @@ the float16 cache the format defines against a float32 one: ms per row at each p
 
 Prints both tables and writes JSON (default ``bench/results/gguf_target_cpu.json``); every record names the
 CPU and the block-kernel path that ran (``kernel_path``); ``--compare-path`` adds a column for a slower path of
-the same CPU (on an AMX CPU: ``--compare-path vnni``, the two side by side). Medians of repeated calls.
+the same CPU (on an AMX CPU: ``--compare-path vnni``), the two timed in alternating order. Medians of repeated
+calls.
 """
 import argparse
 import json
 import random
+import statistics
 import time
 
 import numpy as np
@@ -23,6 +25,19 @@ def _stream_floor_ms(nbytes: int, repeats: int) -> float:
     """Time to read ``nbytes`` once (a uint8 sum over a buffer of that size: what streaming costs here)."""
     buf = torch.ones(nbytes // 8, dtype=torch.int64)
     return _median_ms(lambda: buf.sum(), repeats)
+
+
+def _interleaved_median_ms(a, b, repeats):
+    """Medians of ``a`` and ``b`` timed in alternating order (a b, b a, ...): this machine's speed drifts by 10-20%
+    over seconds, which a side-by-side figure timed one after the other would carry."""
+    a(), b()
+    ts = ([], [])
+    for i in range(2 * repeats):
+        for j in ((0, 1) if i % 2 else (1, 0)):
+            t0 = time.perf_counter()
+            (a, b)[j]()
+            ts[j].append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts[0]), 1e3 * statistics.median(ts[1])
 
 
 def kernel_table(rows, repeats, compare_path=None):
@@ -52,14 +67,16 @@ def kernel_table(rows, repeats, compare_path=None):
     for M in rows:
         xs = {K: torch.randn(M, K) for K in (576, 1536)}
         xb = {K: x.bfloat16() for K, x in xs.items()}
-        rec = {"rows": M,
-               "gguf_ms": _median_ms(lambda: [_C.gguf_linear(xs[k], p, t, n, k) for p, t, n, k in mats], repeats),
-               "fp32_ms": _median_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in fp32], repeats),
-               "bf16_ms": _median_ms(lambda: [torch.nn.functional.linear(xb[w.shape[1]], w) for w in bf16], repeats),
-               "int8_fbgemm_ms": _median_ms(lambda: [m(xs[m.in_features]) for m in int8], repeats)}
+        own = lambda: [_C.gguf_linear(xs[k], p, t, n, k) for p, t, n, k in mats]  # noqa: E731
+        rec = {"rows": M}
         if compare_path:  # another block-kernel path of this CPU over the same matrices (same bits, other units)
-            rec[f"{compare_path}_ms"] = _median_ms(
-                lambda: [_C.gguf_linear(xs[k], p, t, n, k, compare_path) for p, t, n, k in mats], repeats)
+            other = lambda: [_C.gguf_linear(xs[k], p, t, n, k, compare_path) for p, t, n, k in mats]  # noqa: E731
+            rec["gguf_ms"], rec[f"{compare_path}_ms"] = _interleaved_median_ms(own, other, repeats)
+        else:
+            rec["gguf_ms"] = _median_ms(own, repeats)
+        rec["fp32_ms"] = _median_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in fp32], repeats)
+        rec["bf16_ms"] = _median_ms(lambda: [torch.nn.functional.linear(xb[w.shape[1]], w) for w in bf16], repeats)
+        rec["int8_fbgemm_ms"] = _median_ms(lambda: [m(xs[m.in_features]) for m in int8], repeats)
         rec["gguf_GBps"] = nbytes / rec["gguf_ms"] / 1e6
         rec["gguf_GOPs"] = 2 * macs * M / rec["gguf_ms"] / 1e6
         out.append(rec)
