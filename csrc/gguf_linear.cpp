@@ -181,10 +181,10 @@ namespace {
 #define TAPS_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 // The record kPrefetchRecords ahead (gguf_linear_interleave.h), asked for at every row count. From a few rows
-// on the block dots take longer than streaming a record (105 MB of Q4_1 matrices, one thread, AMD Zen 4, best of 5: 8 rows
-// 13.8 -> 10.8 ms, 16 rows 26.0 -> 19.3 ms, 4 rows 6.7 -> 6.4 ms); at 1-2 rows, where the loop only streams,
-// it paid on a Sapphire Rapids core (53 MB of Q4_1 blocks, 1 row: 2.5-3.3 -> 2.0-2.3 ms, 2 rows 3.1-3.7 ->
-// 1.9-2.1 ms; Q8_0 within noise) and was not measured on Zen 4.
+// on the block dots take longer than streaming a record (105 MB of Q4_1 matrices, one thread, AMD Zen 4, best
+// of 5: 8 rows 13.8 -> 10.8 ms, 16 rows 26.0 -> 19.3 ms, 4 rows 6.7 -> 6.4 ms); at 1-2 rows, where the loop
+// only streams, it paid on a Sapphire Rapids core (53 MB of Q4_1 blocks, 1 row: 2.5-3.3 -> 2.0-2.3 ms, 2 rows
+// 3.1-3.7 -> 1.9-2.1 ms; Q8_0 within noise) and was not measured on Zen 4.
 TAPS_VNNI_TARGET inline void prefetch_ahead(const uint8_t* rec, int64_t record_bytes) {
   const char* p = reinterpret_cast<const char*>(rec + kPrefetchRecords * record_bytes);
   for (int64_t l = 0; l < record_bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);

@@ -135,7 +135,8 @@ TAPS_AMX_FLOAT inline void unpack_q4_1(const uint8_t* rec, uint8_t* b) {
 // a Sapphire Rapids core: slower than VNNI at every row count). Ahead by 2 and 5 measured within noise of 3.
 constexpr int64_t kTileAhead = 3, kRing = 2 * kTileAhead + 2;
 
-// At iteration kb of the float step: unpack block kb + kTileAhead's B (Q4_1), multiply block kb (already unpacked).
+// Stage kb of the tile pipeline (issued before the float step of block kb - kTileAhead): unpack the B of block
+// kb + kTileAhead (Q4_1), then multiply block kb, whose B was unpacked kTileAhead stages earlier.
 template <class Tiles, BlockType T>
 TAPS_AMX_FLOAT inline void tile_stage(const uint8_t* rec, int64_t kb, int64_t KB, const Interleaved& x, int64_t m0,
                                       uint8_t (*b)[512], int32_t (*c)[kTileRows * 16]) {
