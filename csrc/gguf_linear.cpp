@@ -180,16 +180,6 @@ namespace {
 #ifdef TAPS_HAVE_VNNI_PATH
 #define TAPS_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
-// The record kPrefetchRecords ahead (gguf_linear_interleave.h), asked for at every row count. From a few rows
-// on the block dots take longer than streaming a record (105 MB of Q4_1 matrices, one thread, AMD Zen 4, best
-// of 5: 8 rows 13.8 -> 10.8 ms, 16 rows 26.0 -> 19.3 ms, 4 rows 6.7 -> 6.4 ms); at 1-2 rows, where the loop
-// only streams, it paid on a Sapphire Rapids core (53 MB of Q4_1 blocks, 1 row: 2.5-3.3 -> 2.0-2.3 ms, 2 rows
-// 3.1-3.7 -> 1.9-2.1 ms; Q8_0 within noise) and was not measured on Zen 4.
-TAPS_VNNI_TARGET inline void prefetch_ahead(const uint8_t* rec, int64_t record_bytes) {
-  const char* p = reinterpret_cast<const char*>(rec + kPrefetchRecords * record_bytes);
-  for (int64_t l = 0; l < record_bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-}
-
 typedef int32_t __attribute__((may_alias, aligned(1))) dword;  // 4 activation bytes, read as one
 
 // Rows m0 .. m0 + MC of x over one group of 16 output rows; rows past N are masked out of the store. The steps
@@ -204,7 +194,7 @@ TAPS_VNNI_TARGET void group_q4_1(const uint8_t* rec, int64_t KB, const Interleav
   const float* meta = x.meta + m0 * 2;
   const int64_t astride = x.M * 32, mstride = x.M * 2;
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ41Record, act += astride, meta += mstride) {
-    prefetch_ahead(rec, kQ41Record);
+    prefetch_record_ahead(rec, kQ41Record);
     __m512i is[MC];
     for (int c = 0; c < MC; ++c) is[c] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -239,7 +229,7 @@ TAPS_VNNI_TARGET void group_q8_0(const uint8_t* rec, int64_t KB, const Interleav
   const int32_t* a128 = x.asum128 + m0;
   const int64_t astride = x.M * 32, mstride = x.M * 2;
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ80Record, act += astride, meta += mstride, a128 += x.M) {
-    prefetch_ahead(rec, kQ80Record);
+    prefetch_record_ahead(rec, kQ80Record);
     __m512i is[MC];
     for (int c = 0; c < MC; ++c) is[c] = _mm512_setzero_si512();
     for (int t = 0; t < 8; ++t) {

@@ -145,9 +145,7 @@ TAPS_AMX_FLOAT inline void tile_stage(const uint8_t* rec, int64_t kb, int64_t KB
     unpack_q4_1(rec + (kb + kTileAhead) * R, b[(kb + kTileAhead) % kRing]);
   }
   if (kb < KB) {
-    // as the VNNI loop does (kPrefetchRecords): without it the tiles waited on the blocks' loads at 16 rows
-    const char* ahead = reinterpret_cast<const char*>(rec + (kb + kPrefetchRecords) * R);
-    for (int64_t l = 0; l < R; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    prefetch_record_ahead(rec + kb * R, R);
     const uint8_t* w = T == BlockType::Q4_1 ? b[kb % kRing] : rec + kb * R;
     Tiles::multiply(static_cast<int>(kb & 1), x.act + (kb * x.M + m0) * kBlock, w, c[kb % kRing]);
   }
