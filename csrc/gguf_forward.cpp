@@ -40,6 +40,10 @@ void dequantize_packed_rows(const PackedMatrix& m, const int64_t* ids, int64_t n
 
 namespace {
 
+// Query rows of one batch row that one attention call takes together (they read their shared prefix once);
+// chunks of 8 leave tasks for a second thread when a tree has 16 rows.
+constexpr int64_t kAttendChunkRows = 8;
+
 // rotate-half RoPE of one head vector at position pos (cos/sin from double precision, rounded once).
 void rope_head(float* x, const float* cs, const float* sn, int64_t D) {
   const int64_t h = D / 2;
@@ -163,6 +167,7 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
   check(H % kBlock == 0 && F % kBlock == 0 && (Hq * D) % kBlock == 0, "hidden, ffn, heads*head_dim: multiples of 32");
   const int64_t M = f.B * f.N, G = Hq / Hkv, L = static_cast<int64_t>(w.layers.size());
   const AttendFn attend_kernel = ops.attend_for(G, D, f.cache_type);
+  const int64_t chunks = (f.N + kAttendChunkRows - 1) / kAttendChunkRows;
   if (M == 0) return;
   check_cache_slots(f);
   for (int64_t i = 0; i < M; ++i) check(f.tokens[i] >= 0 && f.tokens[i] < V, "tokens: outside the vocabulary");
@@ -223,17 +228,24 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
     const char* Kc = static_cast<const char*>(f.keys[l]);
     const char* Vc = static_cast<const char*>(f.values[l]);
     const int64_t elem = cache_bytes(f.cache_type);
-    // KV head by KV head, every query row of it in turn: the rows of a tree share their prefix, whose keys and
-    // values (prefix x head_dim floats, ~256 KB at 500 tokens) then come from L2 for every row after the first
-    // instead of from memory (row by row, the other heads' prefixes evicted them). Each (row, head) is computed
-    // as before, so no bit changes.
-    parallel(M * Hkv, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores(static_cast<size_t>(G * std::max<int64_t>(max_vis, 1)));
+    // Task by task (a KV head, a batch row, up to kAttendChunkRows of its query rows): the rows of a tree share
+    // their prefix, which the kernel then reads once for all of them (gguf_row_ops.h).
+    parallel(Hkv * f.B * chunks, [&](int64_t t0, int64_t t1) {
+      thread_local std::vector<float> scores, acc;
+      scores.resize(static_cast<size_t>(kAttendChunkRows * G * std::max<int64_t>(max_vis, 1)));
+      acc.resize(static_cast<size_t>(kAttendChunkRows * G * D));
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t hh = t / M, i = t % M, b = i / f.N;
+        const int64_t hh = t / (f.B * chunks), b = t / chunks % f.B, c = t % chunks;
+        const int64_t i0 = b * f.N + c * kAttendChunkRows, i1 = std::min(i0 + kAttendChunkRows, (b + 1) * f.N);
         const int64_t base = (f.cache_rows[b] * Hkv + hh) * f.capacity * D * elem;
-        attend_kernel(q.data() + (i * Hq + hh * G) * D, Kc + base, Vc + base, vis.data() + vis_start[i],
-                      vis_start[i + 1] - vis_start[i], scale, scores.data(), att.data() + (i * Hq + hh * G) * D);
+        AttendRows a;
+        a.rows = i1 - i0;
+        a.q = q.data() + (i0 * Hq + hh * G) * D, a.q_stride = Hq * D;
+        a.out = att.data() + (i0 * Hq + hh * G) * D, a.out_stride = Hq * D;
+        a.vis = vis.data(), a.vis_start = vis_start.data() + i0;
+        a.shared = f.prefix_lens[b], a.max_nv = std::max<int64_t>(max_vis, 1), a.scale = scale;
+        a.scores = scores.data(), a.acc = acc.data();
+        attend_kernel(a, Kc + base, Vc + base);
       }
     });
     qa.set(att.data(), M, Hq * D, parallel);

@@ -16,11 +16,27 @@ namespace gguf {
 
 constexpr int kMaxGroup = 8;  // query heads per KV head handled together
 
-// Attention of one query row for the G query heads of one KV head over the visible slots vis[0..nv):
-// q [G, D], K / V the head's cache rows [slots, D] of the cache type, scores a workspace of G * nv floats,
-// out [G, D].
-using AttendFn = void (*)(const float* q, const void* K, const void* V, const int64_t* vis, int64_t nv,
-                          float scale, float* scores, float* out);
+// Attention of R query rows over one KV head's cache rows K / V ([slots, D] of the cache type), for the G query
+// heads of that KV head. Row r's query heads are q + r * q_stride ([G, D]), its output out + r * out_stride
+// ([G, D]), its visible slots vis[vis_start[r] .. vis_start[r + 1]) in cache order; every row's first `shared`
+// visible slots are 0, 1, ..., shared - 1 (a batch row's committed prefix), which lets the kernel read those
+// keys and values once for all rows. Workspaces: scores R * G * max_nv floats (max_nv: the most visible slots
+// of any row), acc R * G * D floats. Each row's result is what it would be alone (R = 1, shared = 0).
+struct AttendRows {
+  int64_t rows = 0;
+  const float* q = nullptr;
+  int64_t q_stride = 0;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  const int64_t* vis = nullptr;
+  const int64_t* vis_start = nullptr;
+  int64_t shared = 0;
+  int64_t max_nv = 0;
+  float scale = 1.0f;
+  float* scores = nullptr;
+  float* acc = nullptr;
+};
+using AttendFn = void (*)(const AttendRows& a, const void* K, const void* V);
 
 struct RowOps {
   const char* isa;                                                            // "avx512" or "avx2"
@@ -28,11 +44,13 @@ struct RowOps {
   void (*swiglu)(float* g, const float* u, int64_t n);                        // g = silu(g) * u
   AttendFn (*attend_for)(int64_t G, int64_t D, CacheType t);                  // G in 1..8, D = 16 * (1..8)
   void (*to_half)(const float* x, uint16_t* y, int64_t n);                    // y = float16(x), nearest even
+  void (*from_half)(const uint16_t* x, float* y, int64_t n);                  // y = float32(x), exact
 };
 
 // float32 -> float16 bits, rounded to nearest even (F16C; both sets need it, so both write the cache with it).
 // Built on x86-64 GCC/Clang only, where the sets are.
 void to_half_f16c(const float* x, uint16_t* y, int64_t n);
+void from_half_f16c(const uint16_t* x, float* y, int64_t n);
 
 // The set each instruction set gives; null where the build or this CPU lacks it.
 const RowOps* row_ops_avx512();

@@ -105,8 +105,8 @@ TAPS_AVX2 inline __m256 load8(const uint16_t* p) {
 // dots by FMA over the 8-lane chunks, 8 keys reduced by one transpose, the softmax in slot-sequence order, the
 // value sum in that order.
 template <int G, int DC, typename T>
-TAPS_AVX2 void attend(const float* q, const void* Kv, const void* Vv, const int64_t* vis, int64_t nv, float scale,
-                      float* scores, float* out) {
+TAPS_AVX2 void attend_row(const float* q, const void* Kv, const void* Vv, const int64_t* vis, int64_t nv,
+                          float scale, float* scores, float* out) {
   constexpr int64_t D = 8 * DC;
   const T* K = static_cast<const T*>(Kv);
   const T* V = static_cast<const T*>(Vv);
@@ -139,6 +139,16 @@ TAPS_AVX2 void attend(const float* q, const void* Kv, const void* Vv, const int6
   }
 }
 
+// The rows one after another (gguf_row_ops.h's AttendRows); the shared prefix comes from L2 for every row after
+// the first.
+template <int G, int DC, typename T>
+TAPS_AVX2 void attend(const AttendRows& a, const void* K, const void* V) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    attend_row<G, DC, T>(a.q + r * a.q_stride, K, V, a.vis + a.vis_start[r], a.vis_start[r + 1] - a.vis_start[r],
+                         a.scale, a.scores, a.out + r * a.out_stride);
+  }
+}
+
 // The kernel for (G, head_dim, cache type): G in 1..8, head_dim 16 * (1..8).
 template <typename T>
 AttendFn attend_of(int64_t G, int64_t D) {
@@ -165,8 +175,16 @@ __attribute__((target("f16c"))) void to_half_f16c(const float* x, uint16_t* y, i
   for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+__attribute__((target("f16c"))) void from_half_f16c(const uint16_t* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  }
+  for (; i < n; ++i) y[i] = _cvtsh_ss(x[i]);
+}
+
 const RowOps* row_ops_avx2() {
-  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for, to_half_f16c};
+  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for, to_half_f16c, from_half_f16c};
   static const bool ok =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return ok ? &ops : nullptr;

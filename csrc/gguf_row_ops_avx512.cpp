@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #if defined(__GNUC__) && !defined(__clang__)
@@ -93,58 +94,146 @@ TAPS_AVX512 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Attention of one query row for the G query heads of one KV head over the visible slots vis[0..nv)
-// (head_dim = 16 * DC; cache elements T: float, or uint16_t holding float16). q: G heads x D floats; out:
-// G x D; scores: workspace of G * nv floats. Each key and value row is loaded once for the G heads; per head
-// the operations (and so the bits) are those of one head alone: dots by FMA over the 16-lane chunks, 16 keys
-// reduced by one transpose, the softmax in slot-sequence order, the value sum in that order.
-template <int G, int DC, typename T>
-TAPS_AVX512 void attend(const float* q, const void* Kv, const void* Vv, const int64_t* vis, int64_t nv, float scale,
-                        float* scores, float* out) {
+// v held in a register: a key or value chunk feeds G FMAs, which the compiler would otherwise each give a load
+// of their own (from a float32 tile: 3x the loads, and the loads then bound the loop).
+TAPS_AVX512 inline __m512 in_register(__m512 v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
+
+// One row's scores for the G query heads q [G, D] against tn <= 16 keys key(0) .. key(tn - 1) (D = 16 * DC
+// elements of type S each), into s[g * ld + t]: per head and key the dot by FMA over the 16-lane chunks, then
+// the 16 keys reduced by one transpose and scaled. A key's score depends on q and that key only.
+template <int G, int DC, typename S, typename KeyAt>
+TAPS_AVX512 inline void score_tile(const float* q, KeyAt key, int64_t tn, float scale, float* s, int64_t ld) {
   constexpr int64_t D = 16 * DC;
-  const T* K = static_cast<const T*>(Kv);
-  const T* V = static_cast<const T*>(Vv);
   __m512 qv[G][DC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
-  for (int64_t t0 = 0; t0 < nv; t0 += 16) {
-    const int64_t tn = std::min<int64_t>(16, nv - t0);
-    alignas(64) __m512 part[G][16];
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t < tn) {
-        const T* k = K + vis[t0 + t] * D;
-        __m512 kv[DC];
-        for (int c = 0; c < DC; ++c) kv[c] = load16(k + 16 * c);
-        for (int g = 0; g < G; ++g) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int c = 0; c < DC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-          part[g][t] = acc;
-        }
+  alignas(64) __m512 part[G][16];
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < tn) {
+      const S* k = key(t);
+      __m512 kv[DC];
+      for (int c = 0; c < DC; ++c) kv[c] = in_register(load16(k + 16 * c));
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < DC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        part[g][t] = acc;
+      }
+    } else {
+      for (int g = 0; g < G; ++g) part[g][t] = _mm512_setzero_ps();
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 sc = _mm512_mul_ps(transpose_sum16(part[g]), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(s + g * ld, static_cast<__mmask16>((1u << tn) - 1u), sc);
+  }
+}
+
+// acc[g] += p[g * ld + t] * value(t) for t = 0 .. tn - 1 in that order (acc [G, D] float32 in memory).
+template <int G, int DC, typename S, typename ValueAt>
+TAPS_AVX512 inline void value_tile(const float* p, int64_t ld, ValueAt value, int64_t tn, float* acc) {
+  constexpr int64_t D = 16 * DC;
+  __m512 a[G][DC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  for (int64_t t = 0; t < tn; ++t) {
+    const S* v = value(t);
+    __m512 vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = in_register(load16(v + 16 * c));
+    for (int g = 0; g < G; ++g) {
+      const __m512 pb = _mm512_set1_ps(p[g * ld + t]);
+      for (int c = 0; c < DC; ++c) a[g][c] = _mm512_fmadd_ps(pb, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// 16 cache rows (slots t0 .. t0 + 15) widened to float32 into w [16, D]: exact, so a tile read from w gives
+// the bits it gives read from the cache.
+template <int DC, typename T>
+TAPS_AVX512 inline void widen_tile(const T* src, float* w) {
+  for (int64_t e = 0; e < 16 * 16 * DC; e += 16) _mm512_store_ps(w + e, load16(src + e));
+}
+
+// Asks for the cache lines of slots [t0, t0 + 16) (the cache is read from memory at long prefixes: the widening
+// waited on every line when the tile ahead was not in flight).
+template <int DC, typename T>
+TAPS_AVX512 inline void prefetch_tile(const T* src) {
+  const char* p = reinterpret_cast<const char*>(src);
+  for (int64_t b = 0; b < 16 * 16 * DC * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// Attention of a.rows query rows for the G query heads of one KV head (gguf_row_ops.h's AttendRows; head_dim
+// = 16 * DC; cache elements T: float, or uint16_t holding float16). Tiles of 16 visible keys, each row's tile
+// after the other's: per row and head the scores of score_tile, the softmax in slot-sequence order, the value
+// sum in that order, so each row's bits are those of the row alone. A tile inside the shared prefix is widened
+// once and read by every row from L1 (converting each key for every row made the rows of a tree cost ~1.5x).
+template <int G, int DC, typename T>
+TAPS_AVX512 void attend(const AttendRows& a, const void* Kv, const void* Vv) {
+  constexpr int64_t D = 16 * DC;
+  const T* K = static_cast<const T*>(Kv);
+  const T* V = static_cast<const T*>(Vv);
+  const int64_t R = a.rows, ld = a.max_nv;
+  int64_t most = 0;
+  for (int64_t r = 0; r < R; ++r) most = std::max(most, a.vis_start[r + 1] - a.vis_start[r]);
+  alignas(64) float wide[16 * D];
+  const auto widened = [&](int64_t t) { return static_cast<const float*>(wide) + t * D; };
+  const auto is_shared = [&](int64_t t0) { return R > 1 && t0 + 16 <= a.shared; };
+  for (int64_t t0 = 0; t0 < most; t0 += 16) {
+    const bool shared = is_shared(t0);
+    if (is_shared(t0 + 32)) prefetch_tile<DC>(K + (t0 + 32) * D);
+    if (shared) widen_tile<DC>(K + t0 * D, wide);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t* vis = a.vis + a.vis_start[r];
+      const int64_t nv = a.vis_start[r + 1] - a.vis_start[r];
+      if (t0 >= nv) continue;
+      const float* q = a.q + r * a.q_stride;
+      float* s = a.scores + r * G * ld + t0;
+      if (shared) {
+        score_tile<G, DC, float>(q, widened, 16, a.scale, s, ld);
       } else {
-        for (int g = 0; g < G; ++g) part[g][t] = _mm512_setzero_ps();
+        score_tile<G, DC, T>(q, [&](int64_t t) { return K + vis[t0 + t] * D; }, std::min<int64_t>(16, nv - t0),
+                             a.scale, s, ld);
       }
     }
+  }
+  thread_local std::vector<float> inv;
+  inv.resize(static_cast<size_t>(R * G));
+  for (int64_t r = 0; r < R; ++r) {
     for (int g = 0; g < G; ++g) {
-      const __m512 sc = _mm512_mul_ps(transpose_sum16(part[g]), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + g * nv + t0, static_cast<__mmask16>((1u << tn) - 1u), sc);
+      inv[r * G + g] = softmax_scores(a.scores + (r * G + g) * ld, a.vis_start[r + 1] - a.vis_start[r]);
     }
   }
-  float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_scores(scores + g * nv, nv);
-  __m512 acc[G][DC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < nv; ++t) {
-    const T* v = V + vis[t] * D;
-    __m512 vv[DC];
-    for (int c = 0; c < DC; ++c) vv[c] = load16(v + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * nv + t]);
-      for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+  std::fill(a.acc, a.acc + R * G * D, 0.0f);
+  for (int64_t t0 = 0; t0 < most; t0 += 16) {
+    const bool shared = is_shared(t0);
+    if (is_shared(t0 + 32)) prefetch_tile<DC>(V + (t0 + 32) * D);
+    if (shared) widen_tile<DC>(V + t0 * D, wide);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t* vis = a.vis + a.vis_start[r];
+      const int64_t nv = a.vis_start[r + 1] - a.vis_start[r];
+      if (t0 >= nv) continue;
+      const float* p = a.scores + r * G * ld + t0;
+      float* acc = a.acc + r * G * D;
+      if (shared) {
+        value_tile<G, DC, float>(p, ld, widened, 16, acc);
+      } else {
+        value_tile<G, DC, T>(p, ld, [&](int64_t t) { return V + vis[t0 + t] * D; }, std::min<int64_t>(16, nv - t0),
+                             acc);
+      }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+  for (int64_t r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      const __m512 iv = _mm512_set1_ps(inv[r * G + g]);
+      const float* acc = a.acc + (r * G + g) * D;
+      float* out = a.out + r * a.out_stride + g * D;
+      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), iv));
+    }
+  }
 }
 
 // The kernel for (G, head_dim, cache type): G in 1..8 (at most 8 query heads per KV head), head_dim 16 * (1..8).
@@ -165,7 +254,7 @@ AttendFn attend_for(int64_t G, int64_t D, CacheType t) {
 }  // namespace
 
 const RowOps* row_ops_avx512() {
-  static const RowOps ops{"avx512", rmsnorm_row, swiglu, attend_for, to_half_f16c};
+  static const RowOps ops{"avx512", rmsnorm_row, swiglu, attend_for, to_half_f16c, from_half_f16c};
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("f16c");
   return ok ? &ops : nullptr;
