@@ -44,13 +44,11 @@ struct RowOps {
   void (*swiglu)(float* g, const float* u, int64_t n);                        // g = silu(g) * u
   AttendFn (*attend_for)(int64_t G, int64_t D, CacheType t);                  // G in 1..8, D = 16 * (1..8)
   void (*to_half)(const float* x, uint16_t* y, int64_t n);                    // y = float16(x), nearest even
-  void (*from_half)(const uint16_t* x, float* y, int64_t n);                  // y = float32(x), exact
 };
 
 // float32 -> float16 bits, rounded to nearest even (F16C; both sets need it, so both write the cache with it).
 // Built on x86-64 GCC/Clang only, where the sets are.
 void to_half_f16c(const float* x, uint16_t* y, int64_t n);
-void from_half_f16c(const uint16_t* x, float* y, int64_t n);
 
 // The set each instruction set gives; null where the build or this CPU lacks it.
 const RowOps* row_ops_avx512();

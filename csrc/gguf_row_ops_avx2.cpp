@@ -175,16 +175,8 @@ __attribute__((target("f16c"))) void to_half_f16c(const float* x, uint16_t* y, i
   for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-__attribute__((target("f16c"))) void from_half_f16c(const uint16_t* x, float* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
-  }
-  for (; i < n; ++i) y[i] = _cvtsh_ss(x[i]);
-}
-
 const RowOps* row_ops_avx2() {
-  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for, to_half_f16c, from_half_f16c};
+  static const RowOps ops{"avx2", rmsnorm_row, swiglu, attend_for, to_half_f16c};
   static const bool ok =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return ok ? &ops : nullptr;
