@@ -30,12 +30,12 @@ def _child(nodes, prefix, repeats):
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from bench_gguf_target import _tree  # noqa: E402
+    from bench_gguf_target import FEATURE_LAYERS, _tree  # noqa: E402
     from taps.decode.verifier import make_verifier
     from taps.models.target import load_target
 
     torch.set_num_threads(1)
-    v = make_verifier(load_target("smollm2", target_format="gguf")[0], [1, 8, 14, 20, 27])
+    v = make_verifier(load_target("smollm2", target_format="gguf")[0], FEATURE_LAYERS)
     rng = random.Random(0)
     v.prefill(torch.tensor([[rng.randrange(49152) for _ in range(prefix)]]), prefix + max(nodes) + 1)
     out = {}

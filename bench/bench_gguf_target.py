@@ -21,6 +21,9 @@ import torch
 from bench_rows_linear import _median_ms  # run as `python bench/...`: its folder is on the path
 
 
+FEATURE_LAYERS = [1, 8, 14, 20, 27]  # the shipped drafter's feature layers: a verify returns them too
+
+
 def _stream_floor_ms(nbytes: int, repeats: int) -> float:
     """Time to read ``nbytes`` once (a uint8 sum over a buffer of that size: what streaming costs here)."""
     buf = torch.ones(nbytes // 8, dtype=torch.int64)
@@ -98,7 +101,6 @@ def step_table(nodes, prefix, repeats, with_fp32):
     from taps.decode.verifier import make_verifier
     from taps.models.target import load_target
 
-    layer_ids = [1, 8, 14, 20, 27]  # the shipped drafter's feature layers: a verify returns them too
     targets = {"gguf": load_target("smollm2", target_format="gguf")[0]}
     if with_fp32:
         targets["fp32"] = load_target("smollm2", target_format="fp32")[0]
@@ -106,7 +108,7 @@ def step_table(nodes, prefix, repeats, with_fp32):
     prompt = torch.tensor([[rng.randrange(49152) for _ in range(prefix)]])
     out = []
     for fmt, model in targets.items():
-        v = make_verifier(model, layer_ids)
+        v = make_verifier(model, FEATURE_LAYERS)
         v.prefill(prompt, prefix + max(nodes) + 1)
         for n in nodes:
             for shape in (("chain", "tree") if n > 2 else ("chain",)):

@@ -131,8 +131,7 @@ TAPS_AVX512 inline void score_tile(const float* q, KeyAt key, int64_t tn, float 
   }
 }
 
-// acc[g] += p[g * ld + t] * value(t) for t = 0 .. tn - 1 in that order (acc [G, D] float32 in memory; tn: 16
-// keys of a tile, or all of a row's).
+// acc[g] += p[g * ld + t] * value(t) for t = 0 .. tn - 1 in that order (acc [G, D] float32 in memory).
 template <int G, int DC, typename ValueAt>
 TAPS_AVX512 inline void value_tile(const float* p, int64_t ld, ValueAt value, int64_t tn, float* acc) {
   constexpr int64_t D = 16 * DC;
@@ -208,10 +207,7 @@ TAPS_AVX512 void attend(const AttendRows& a, const void* Kv, const void* Vv) {
     }
   }
   std::fill(a.acc, a.acc + R * G * D, 0.0f);
-  if (R == 1) {  // no tile to share: the value sum in one pass, its accumulators in registers throughout
-    value_tile<G, DC>(a.scores, ld, [&](int64_t t) { return V + a.vis[a.vis_start[0] + t] * D; }, most, a.acc);
-  }
-  for (int64_t t0 = 0; R > 1 && t0 < most; t0 += 16) {
+  for (int64_t t0 = 0; t0 < most; t0 += 16) {
     const bool shared = is_shared(t0);
     if (shared) widen_tile<DC>(V + t0 * D, wide);
     each_row_of_tile<D>(a, t0, V, wide, shared, [&](int64_t r, auto value, int64_t tn) TAPS_AVX512 {
