@@ -180,8 +180,9 @@ TAPS_AVX512 inline void each_row_of_tile(const AttendRows& a, int64_t t0, const 
 // after the other's: per row and head the scores of score_tile, the softmax in slot-sequence order, the value
 // sum in that order, so each row's bits are those of the row alone. A tile inside the shared prefix is widened
 // once and read by every row from L1 instead of converted again per row (all layers' attention of 16 tree rows
-// at a 500-token prefix, SmolLM2's heads, timed alone: 6.7-8.4 -> 6.0-7.3 ms, 1.1-1.15x, the same bits). The lambdas carry
-// the target attribute so that the tile functions inline into them (without it: a call per tile and row).
+// at a 500-token prefix, SmolLM2's heads, timed alone: 6.7-8.4 -> 6.0-7.3 ms, 1.1-1.15x, the same bits). The
+// lambdas carry the target attribute so that the tile functions inline into them (without it: a call per tile
+// and row).
 template <int G, int DC, typename T>
 TAPS_AVX512 void attend(const AttendRows& a, const void* Kv, const void* Vv) {
   constexpr int64_t D = 16 * DC;
