@@ -439,3 +439,62 @@ def test_build_data_fp32_and_data_from_before_the_target_format(tmp_path, monkey
     if _C.gguf_forward_available() and _C.gguf_kernel_path() != "scalar":
         with pytest.raises(ValueError, match="other options.*target_format"):
             build_data(BuildDataConfig(**dict(cfg.__dict__, target_format="gguf")))
+
+
+def _loss_batch(S: int = 5):
+    """A batch of two sequences with top-k rows for a tiny drafter (vocabulary 64, features 2 x 32)."""
+    L, pl, k = 30, 8, 3
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(10, 40, (L,), generator=g)
+    ids = torch.stack([toks[pl:], toks[pl:] + 1, toks[pl:] + 2], 1)
+    lp = torch.log_softmax(torch.randn(L - pl, k, generator=g), -1).sort(-1, descending=True).values
+    samples = [(toks, torch.randn(L, 64, generator=g), pl), (toks[:21], torch.randn(21, 64, generator=g), pl)]
+    return make_batch(samples, S, 4, 63, random.Random(0), topk=[(ids, lp), (ids, lp)])
+
+
+@pytest.mark.slow
+def test_compiled_loss_terms_match_eager():
+    """TrainConfig.compile: loss_terms through torch.compile gives the eager loss, statistics and gradients
+    (float32, inductor's own reduction order: a tolerance of a few float32 ulps of the loss)."""
+    from taps.training.train_drafter import loss_terms
+
+    drafter = tiny_drafter(0, vocab=64).train()
+    head = torch.nn.Linear(32, 64, bias=False)
+    embed = torch.nn.Embedding(64, 32)
+    batch = _loss_batch()
+    w = torch.exp(-torch.arange(4.0) / 7)
+    subset = torch.arange(0, 64)
+    compiled = torch.compile(loss_terms, dynamic=True)
+    out = []
+    for terms in (loss_terms, compiled):
+        drafter.zero_grad()
+        loss, stats = block_loss(drafter, head, embed, batch, w, False, vocab_subset=subset, kl_weight=0.5,
+                                 terms=terms)
+        loss.backward()
+        out.append((loss.detach(), stats, [p.grad.clone() for p in drafter.parameters()]))
+    (l0, s0, g0), (l1, s1, g1) = out
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    assert s1["rows"] == s0["rows"] > 0 and s1["pos_acc"] == s0["pos_acc"] and s1["tau"] == s0["tau"]
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_block_loss_statistics_follow_the_argmax_chain():
+    """pos_acc and tau: a position is a hit when its label has the row's largest logit; tau = 1 + the run of
+    hits from position 1 of each real block; rows without a label count in neither."""
+    drafter = tiny_drafter(0, vocab=64)
+    head = torch.nn.Linear(32, 64, bias=False)
+    embed = torch.nn.Embedding(64, 32)
+    feats, blocks, anchors, labels = _loss_batch()[:4]
+    w = torch.ones(4)
+    with torch.no_grad():
+        loss, st = block_loss(drafter, head, embed, (feats, blocks, anchors, labels), w, False)
+        h = drafter.forward_blocks(feats, blocks, anchors, embed)[:, :, 1:]
+        pred = head(h).argmax(-1)
+    valid = labels >= 0
+    hit = (pred == labels) & valid
+    want_acc = (hit.float().sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)).tolist()
+    runs = torch.cumprod(hit.long(), -1).sum(-1)[anchors >= 0]
+    assert st["pos_acc"] == pytest.approx(want_acc) and st["tau"] == pytest.approx(1 + runs.float().mean().item())
+    ce = torch.nn.functional.cross_entropy(head(h)[valid], labels[valid])
+    torch.testing.assert_close(loss, ce, rtol=1e-5, atol=1e-6)

@@ -159,6 +159,9 @@ def _add_train_drafter(subparsers):
     p.add_argument("--kl-weight", type=float, default=0.0,
                    help="weight of the distillation term to the target's top-k (data built with --topk)")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at this x lr")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the forward and loss (inductor, needs a C++ compiler; the first step "
+                        "compiles for a minute or two, later steps run faster)")
     p.set_defaults(func=_cmd_train)
 
 

@@ -22,7 +22,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from dataclasses import asdict, dataclass
 
@@ -170,7 +170,7 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def block_loss(drafter, lm_head, embed_tokens, batch, weights, autocast: bool,
-               vocab_subset: Optional[torch.Tensor] = None, kl_weight: float = 0.0):
+               vocab_subset: Optional[torch.Tensor] = None, kl_weight: float = 0.0, terms=None):
     """Position-decayed CE over valid label rows (+ ``kl_weight`` x distillation). Returns (loss, stats).
 
     ``batch``: what :func:`make_batch` returns, ``(feats, block_ids, anchors, labels)`` or, with the
@@ -180,53 +180,64 @@ def block_loss(drafter, lm_head, embed_tokens, batch, weights, autocast: bool,
     speed-up for CPU training; evaluation always uses the full vocabulary).
     ``soft_ids``/``soft_logp`` ``[B,M,S-1,k]``: the target's top-k log-probabilities at each label; the
     distillation term is the cross-entropy of the drafter to the target's top-k distribution renormalised
-    over its k ids (= KL to it up to a constant), position-weighted like the CE."""
+    over its k ids (= KL to it up to a constant), position-weighted like the CE.
+    ``terms``: :func:`loss_terms` or a compiled copy of it (``torch.compile``; see ``TrainConfig.compile``).
+    Statistics (accuracy per position, tau of the argmax chain) count a position as a hit when its label's
+    logit is the row's maximum."""
     feats, block_ids, anchors, labels = batch[:4]
     soft_ids, soft_logp = batch[4:] if len(batch) > 4 else (None, None)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
-    with ctx:
-        h = drafter.forward_blocks(feats, block_ids, anchors, embed_tokens)  # [B,M,S,H]
-        h = h[:, :, 1:]
-        valid = labels >= 0
-        hv = h[valid]  # [N,H]
-        if vocab_subset is None:
-            logits = lm_head(hv.to(lm_head.weight.dtype) if not autocast else hv)
-        else:
-            W = lm_head.weight.index_select(0, vocab_subset)
-            logits = F.linear(hv.to(W.dtype) if not autocast else hv, W)
-    logits = logits.float()
-    y = labels[valid]
+    valid = labels >= 0
+    W = lm_head.weight if vocab_subset is None else lm_head.weight.index_select(0, vocab_subset)
+    y = labels.clamp(min=0)
     if vocab_subset is not None:
         y = torch.searchsorted(vocab_subset, y)
-    w = weights.to(logits.device)[None, None, :].expand_as(labels)[valid]
-    ce = F.cross_entropy(logits, y, reduction="none")
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    kl_val = None
+    w = weights.to(feats.device)[None, None, :] * valid.float()
+    cols = soft = wk = None
     if kl_weight > 0 and soft_ids is not None:
-        sid, slp = soft_ids[valid], soft_logp[valid]  # [N,k]
-        has = sid[:, 0] >= 0
+        cols, soft = soft_ids.clamp(min=0), soft_logp
         if vocab_subset is not None:
-            cols = torch.searchsorted(vocab_subset, sid.clamp(min=0))
-        else:
-            cols = sid.clamp(min=0)
-        ls = torch.log_softmax(logits, -1).gather(1, cols)  # student log-probs of the target's top-k
-        q = torch.softmax(slp, -1)
-        kl_rows = (q * (torch.log(q.clamp(min=1e-12)) - ls)).sum(-1)  # KL(q || student) on the top-k ids
-        wk = w * has.float()
-        kl = (kl_rows * wk).sum() / wk.sum().clamp(min=1e-6)
-        loss = loss + kl_weight * kl
-        kl_val = float(kl.detach())
+            cols = torch.searchsorted(vocab_subset, cols)
+        wk = w * (soft_ids[..., 0] >= 0).float()
+    loss, ce, kl, logits = (terms or loss_terms)(drafter, W, embed_tokens, feats, block_ids, anchors, y, w, cols,
+                                                 soft, wk, float(kl_weight), autocast)
     with torch.no_grad():
-        pred = logits.argmax(-1)
-        hit = torch.zeros_like(labels, dtype=torch.bool)
-        hit[valid] = pred == y
+        hit = (logits.gather(-1, y[..., None])[..., 0] >= logits.amax(-1)) & valid
         pos_acc = (hit.float().sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)).tolist()
         # tau of the argmax chain: 1 + consecutive hits from position 1 (only complete runs count)
         run = torch.cumprod(hit.long(), dim=-1).sum(-1)
         has = anchors >= 0
         tau = float((1 + run[has].float()).mean()) if has.any() else 0.0
-    return loss, {"ce": float(ce.detach().mean()), "kl": kl_val, "pos_acc": pos_acc, "tau": tau,
+        ce_mean = float(ce[valid].mean()) if valid.any() else 0.0
+    return loss, {"ce": ce_mean, "kl": None if kl is None else float(kl), "pos_acc": pos_acc, "tau": tau,
                   "rows": int(valid.sum())}
+
+
+def loss_terms(drafter, W, embed_tokens, feats, block_ids, anchors, y, w, cols, soft_logp, wk, kl_weight: float,
+               autocast: bool):
+    """The differentiable part of :func:`block_loss`, over every block row (rows without a label weigh 0, so
+    the shapes depend on the batch's sizes only, and ``torch.compile`` fuses it without graph breaks).
+
+    ``W`` ``[V', H]``: the LM head rows the softmax runs over; ``y`` ``[B,M,S-1]`` int64 label columns of
+    ``W``; ``w`` ``[B,M,S-1]`` float32 row weights (0 where no label); ``cols``/``soft_logp``/``wk``
+    ``[B,M,S-1,k]`` / ``[B,M,S-1,k]`` / ``[B,M,S-1]``: the target's top-k columns, log-probabilities and row
+    weights (or None: no distillation). Returns ``(loss, ce [B,M,S-1], kl or None, logits float32
+    [B,M,S-1,V'] detached)``."""
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        h = drafter.forward_blocks(feats, block_ids, anchors, embed_tokens)[:, :, 1:]  # [B,M,S-1,H]
+        logits = F.linear(h if autocast else h.to(W.dtype), W)
+    logits = logits.float()
+    ce = F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(y)
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    kl = None
+    if cols is not None:
+        ls = torch.log_softmax(logits, -1).gather(-1, cols)  # student log-probs of the target's top-k
+        q = torch.softmax(soft_logp, -1)
+        kl_rows = (q * (torch.log(q.clamp(min=1e-12)) - ls)).sum(-1)  # KL(q || student) on the top-k ids
+        kl = (kl_rows * wk).sum() / wk.sum().clamp(min=1e-6)
+        loss = loss + kl_weight * kl
+        kl = kl.detach()
+    return loss, ce.detach(), kl, logits.detach()
 
 
 def feature_scale_from_data(ds: "ShardData", max_tokens: int = 200_000) -> torch.Tensor:
@@ -302,6 +313,8 @@ class TrainConfig:
     ``init_layers``: comma list of its layer indices to keep, in order (a shallower, cheaper drafter that starts
     from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
+    ``compile``: the forward and loss (:func:`loss_terms`) through ``torch.compile`` (inductor; needs a C++
+    compiler): the first step compiles, later ones run faster (``bench/bench_train_speed.py``).
     """
 
     data: str
@@ -335,6 +348,7 @@ class TrainConfig:
     init_layers: Optional[str] = None
     kl_weight: float = 0.0
     min_lr_ratio: float = 0.1
+    compile: bool = False
 
     def __post_init__(self):
         if self.train_vocab not in ("seen", "full"):
@@ -397,6 +411,7 @@ class _Drafter:
     config: DFlashConfig
     embed: torch.nn.Module
     head: torch.nn.Module
+    terms: Callable = loss_terms  # or its torch.compile'd copy (TrainConfig.compile)
 
 
 @dataclass
@@ -453,7 +468,10 @@ def _make_drafter(cfg: TrainConfig, tmodel, fresh: DFlashConfig, meta: dict, st:
             with torch.no_grad():  # start the output norm where the target's final norm is (same LM head)
                 drafter.norm.weight.copy_(tnorm.weight.float())
     drafter.train()
-    return _Drafter(drafter, dcfg, tmodel.get_input_embeddings(), tmodel.get_output_embeddings())
+    # inductor fuses the elementwise passes around the GEMMs (masks, softmax, norms, casts, the loss), which
+    # take most of an eager bf16 step on one thread
+    terms = torch.compile(loss_terms, dynamic=True) if cfg.compile else loss_terms
+    return _Drafter(drafter, dcfg, tmodel.get_input_embeddings(), tmodel.get_output_embeddings(), terms)
 
 
 def _drafter_from_parent(cfg: TrainConfig, tc, meta: dict):
@@ -575,7 +593,7 @@ def _train_step(cfg: TrainConfig, model: _Drafter, ds: ShardData, opt, rng: rand
     batch = _sample_batch(cfg, model.config, ds, rng)
     subset = _vocab_subset(cfg, model.config.vocab_size, run.seen_vocab, batch)
     loss, stats = block_loss(model.drafter, model.head, model.embed, batch, weights, cfg.bf16, vocab_subset=subset,
-                             kl_weight=cfg.kl_weight)
+                             kl_weight=cfg.kl_weight, terms=model.terms)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(model.drafter.parameters(), 1.0)
@@ -624,6 +642,7 @@ def _log_step(log, run: _Progress, loss, stats: dict, gn, cur_lr: float) -> None
                           "ce": round(stats["ce"], 4), "kl": None if stats["kl"] is None else round(stats["kl"], 4),
                           "lr": cur_lr, "grad_norm": round(float(gn), 3), "tau": round(stats["tau"], 3),
                           "acc": [round(a, 3) for a in stats["pos_acc"][:15]],
-                          "train_seconds": round(run.extra["train_seconds"], 1),
+                          "train_seconds": round(run.extra["train_seconds"], 3), "rows_seen": run.extra["rows_seen"],
+                          "blocks_seen": run.extra["blocks_seen"],
                           "wall": time.strftime("%H:%M:%S")}) + "\n")
     log.flush()
