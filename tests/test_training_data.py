@@ -454,9 +454,9 @@ def _loss_batch(S: int = 5):
 
 @pytest.mark.slow
 def test_compiled_loss_terms_match_eager():
-    """TrainConfig.compile: loss_terms through torch.compile gives the eager loss, statistics and gradients
+    """TrainConfig.compile: block_logits through torch.compile gives the eager loss, statistics and gradients
     (float32, inductor's own reduction order: a tolerance of a few float32 ulps of the loss)."""
-    from taps.training.train_drafter import loss_terms
+    from taps.training.train_drafter import block_logits
 
     drafter = tiny_drafter(0, vocab=64).train()
     head = torch.nn.Linear(32, 64, bias=False)
@@ -464,12 +464,12 @@ def test_compiled_loss_terms_match_eager():
     batch = _loss_batch()
     w = torch.exp(-torch.arange(4.0) / 7)
     subset = torch.arange(0, 64)
-    compiled = torch.compile(loss_terms, dynamic=True)
+    compiled = torch.compile(block_logits, dynamic=True)
     out = []
-    for terms in (loss_terms, compiled):
+    for logits_fn in (block_logits, compiled):
         drafter.zero_grad()
         loss, stats = block_loss(drafter, head, embed, batch, w, False, vocab_subset=subset, kl_weight=0.5,
-                                 terms=terms)
+                                 logits_fn=logits_fn)
         loss.backward()
         out.append((loss.detach(), stats, [p.grad.clone() for p in drafter.parameters()]))
     (l0, s0, g0), (l1, s1, g1) = out

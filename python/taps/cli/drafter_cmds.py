@@ -160,7 +160,7 @@ def _add_train_drafter(subparsers):
                    help="weight of the distillation term to the target's top-k (data built with --topk)")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at this x lr")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the forward and loss (inductor, needs a C++ compiler; the first step "
+                   help="torch.compile the forward up to the logits (inductor, needs a C++ compiler; the first step "
                         "compiles for a minute or two, later steps run faster)")
     p.set_defaults(func=_cmd_train)
 

@@ -170,7 +170,7 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def block_loss(drafter, lm_head, embed_tokens, batch, weights, autocast: bool,
-               vocab_subset: Optional[torch.Tensor] = None, kl_weight: float = 0.0, terms=None):
+               vocab_subset: Optional[torch.Tensor] = None, kl_weight: float = 0.0, logits_fn=None):
     """Position-decayed CE over valid label rows (+ ``kl_weight`` x distillation). Returns (loss, stats).
 
     ``batch``: what :func:`make_batch` returns, ``(feats, block_ids, anchors, labels)`` or, with the
@@ -181,7 +181,7 @@ def block_loss(drafter, lm_head, embed_tokens, batch, weights, autocast: bool,
     ``soft_ids``/``soft_logp`` ``[B,M,S-1,k]``: the target's top-k log-probabilities at each label; the
     distillation term is the cross-entropy of the drafter to the target's top-k distribution renormalised
     over its k ids (= KL to it up to a constant), position-weighted like the CE.
-    ``terms``: :func:`loss_terms` or a compiled copy of it (``torch.compile``; see ``TrainConfig.compile``).
+    ``logits_fn``: :func:`block_logits` (default) or a compiled copy of it (``TrainConfig.compile``).
     Statistics (accuracy per position, tau of the argmax chain) count a position as a hit when its label's
     logit is the row's maximum."""
     feats, block_ids, anchors, labels = batch[:4]
@@ -198,9 +198,10 @@ def block_loss(drafter, lm_head, embed_tokens, batch, weights, autocast: bool,
         if vocab_subset is not None:
             cols = torch.searchsorted(vocab_subset, cols)
         wk = w * (soft_ids[..., 0] >= 0).float()
-    loss, ce, kl, logits = (terms or loss_terms)(drafter, W, embed_tokens, feats, block_ids, anchors, y, w, cols,
-                                                 soft, wk, float(kl_weight), autocast)
+    logits = (logits_fn or block_logits)(drafter, W, embed_tokens, feats, block_ids, anchors, autocast)
+    loss, ce, kl = _loss_terms(logits, y, w, cols, soft, wk, float(kl_weight))
     with torch.no_grad():
+        logits = logits.detach()
         hit = (logits.gather(-1, y[..., None])[..., 0] >= logits.amax(-1)) & valid
         pos_acc = (hit.float().sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)).tolist()
         # tau of the argmax chain: 1 + consecutive hits from position 1 (only complete runs count)
@@ -212,21 +213,24 @@ def block_loss(drafter, lm_head, embed_tokens, batch, weights, autocast: bool,
                   "rows": int(valid.sum())}
 
 
-def loss_terms(drafter, W, embed_tokens, feats, block_ids, anchors, y, w, cols, soft_logp, wk, kl_weight: float,
-               autocast: bool):
-    """The differentiable part of :func:`block_loss`, over every block row (rows without a label weigh 0, so
-    the shapes depend on the batch's sizes only, and ``torch.compile`` fuses it without graph breaks).
-
-    ``W`` ``[V', H]``: the LM head rows the softmax runs over; ``y`` ``[B,M,S-1]`` int64 label columns of
-    ``W``; ``w`` ``[B,M,S-1]`` float32 row weights (0 where no label); ``cols``/``soft_logp``/``wk``
-    ``[B,M,S-1,k]`` / ``[B,M,S-1,k]`` / ``[B,M,S-1]``: the target's top-k columns, log-probabilities and row
-    weights (or None: no distillation). Returns ``(loss, ce [B,M,S-1], kl or None, logits float32
-    [B,M,S-1,V'] detached)``."""
+def block_logits(drafter, W, embed_tokens, feats, block_ids, anchors, autocast: bool) -> torch.Tensor:
+    """The drafter's logits over ``W`` ``[V', H]`` (the LM head rows the softmax runs over) at every block row
+    but the bonus row: float32 ``[B,M,S-1,V']``. No shape depends on the data, so ``torch.compile`` takes it as
+    one graph (``TrainConfig.compile``)."""
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
         h = drafter.forward_blocks(feats, block_ids, anchors, embed_tokens)[:, :, 1:]  # [B,M,S-1,H]
         logits = F.linear(h if autocast else h.to(W.dtype), W)
-    logits = logits.float()
+    return logits.float()
+
+
+def _loss_terms(logits, y, w, cols, soft_logp, wk, kl_weight: float):
+    """Weighted CE (+ ``kl_weight`` x distillation) from ``logits`` ``[B,M,S-1,V']``: ``y`` label columns, ``w``
+    row weights (0 where no label); ``cols``/``soft_logp``/``wk``: the target's top-k columns, log-probabilities
+    and row weights (or None). Returns ``(loss, ce [B,M,S-1] detached, kl or None)``.
+
+    Eager, not compiled: inductor's fused cross-entropy walked the ~900 x 6,000 logits column by column (~45 ms
+    a step on one thread against aten's ~20)."""
     ce = F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(y)
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     kl = None
@@ -237,7 +241,7 @@ def loss_terms(drafter, W, embed_tokens, feats, block_ids, anchors, y, w, cols, 
         kl = (kl_rows * wk).sum() / wk.sum().clamp(min=1e-6)
         loss = loss + kl_weight * kl
         kl = kl.detach()
-    return loss, ce.detach(), kl, logits.detach()
+    return loss, ce.detach(), kl
 
 
 def feature_scale_from_data(ds: "ShardData", max_tokens: int = 200_000) -> torch.Tensor:
@@ -313,7 +317,7 @@ class TrainConfig:
     ``init_layers``: comma list of its layer indices to keep, in order (a shallower, cheaper drafter that starts
     from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
-    ``compile``: the forward and loss (:func:`loss_terms`) through ``torch.compile`` (inductor; needs a C++
+    ``compile``: the forward up to the logits (:func:`block_logits`) through ``torch.compile`` (inductor; needs a C++
     compiler): the first step compiles, later ones run faster (``bench/bench_train_speed.py``).
     """
 
@@ -411,7 +415,7 @@ class _Drafter:
     config: DFlashConfig
     embed: torch.nn.Module
     head: torch.nn.Module
-    terms: Callable = loss_terms  # or its torch.compile'd copy (TrainConfig.compile)
+    logits_fn: Callable = block_logits  # or its torch.compile'd copy (TrainConfig.compile)
 
 
 @dataclass
@@ -470,8 +474,8 @@ def _make_drafter(cfg: TrainConfig, tmodel, fresh: DFlashConfig, meta: dict, st:
     drafter.train()
     # inductor fuses the elementwise passes around the GEMMs (masks, softmax, norms, casts, the loss), which
     # take most of an eager bf16 step on one thread
-    terms = torch.compile(loss_terms, dynamic=True) if cfg.compile else loss_terms
-    return _Drafter(drafter, dcfg, tmodel.get_input_embeddings(), tmodel.get_output_embeddings(), terms)
+    logits_fn = torch.compile(block_logits, dynamic=True) if cfg.compile else block_logits
+    return _Drafter(drafter, dcfg, tmodel.get_input_embeddings(), tmodel.get_output_embeddings(), logits_fn)
 
 
 def _drafter_from_parent(cfg: TrainConfig, tc, meta: dict):
@@ -593,7 +597,7 @@ def _train_step(cfg: TrainConfig, model: _Drafter, ds: ShardData, opt, rng: rand
     batch = _sample_batch(cfg, model.config, ds, rng)
     subset = _vocab_subset(cfg, model.config.vocab_size, run.seen_vocab, batch)
     loss, stats = block_loss(model.drafter, model.head, model.embed, batch, weights, cfg.bf16, vocab_subset=subset,
-                             kl_weight=cfg.kl_weight, terms=model.terms)
+                             kl_weight=cfg.kl_weight, logits_fn=model.logits_fn)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(model.drafter.parameters(), 1.0)
