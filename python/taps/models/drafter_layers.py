@@ -42,15 +42,20 @@ def apply_rope(x, cos, sin):
 
 
 def _attention(q, k, v, mask=None):
-    """softmax(q k^T / sqrt(d) [masked]) v with fp32 softmax. Plain matmuls: for the
-    small query/key counts here this is several times faster on CPU than SDPA with
-    a boolean mask. mask: bool, True = attend (broadcast to [B,H,Lq,Lk])."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    """softmax(q k^T / sqrt(d) [masked]) v with fp32 softmax. q ``[B,H,Lq,d]``, k/v ``[B,Hkv,Lk,d]`` (H a
+    multiple of Hkv: query head h reads KV head h // (H/Hkv)); mask: bool, True = attend, broadcast to
+    ``[B,1,Lq,Lk]``. Plain matmuls: for the small query/key counts here this is several times faster on CPU
+    than SDPA with a boolean mask (whose backward was also slower); the query heads of a KV head are one
+    matmul, so K/V are never repeated per query head."""
+    B, H, L, d = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, H // Hkv * L, d)
+    s = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+    s = s.view(B, Hkv, H // Hkv, L, -1)
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p, v)
+        s = s.masked_fill(~mask[:, :, None], float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype).view(B, Hkv, H // Hkv * L, -1)
+    return torch.matmul(p, v).view(B, H, L, d)
 
 
 class DFlashAttention(nn.Module):
@@ -82,10 +87,6 @@ class DFlashAttention(nn.Module):
         k_b, v_b = self.project_kv(x, cos, sin)
         k = torch.cat([k_ctx.to(k_b.dtype), k_b], dim=2)
         v = torch.cat([v_ctx.to(v_b.dtype), v_b], dim=2)
-        rep = self.nh // self.nkv
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
         o = _attention(q, k, v, mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
 
