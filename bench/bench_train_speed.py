@@ -84,7 +84,8 @@ def main() -> int:
     print(f"{'mode':>13} {'rows/s':>9} {'blocks/s':>9} {'x fp32':>7} {'first steps s':>14}")
     for r in runs:
         x = f"{r['over_fp32']:.2f}" if r["over_fp32"] else "-"
-        print(f"{r['mode']:>13} {r['rows_per_s']:9.1f} {r['blocks_per_s']:9.2f} {x:>7} {r['first_steps_seconds']:14.1f}")
+        print(f"{r['mode']:>13} {r['rows_per_s']:9.1f} {r['blocks_per_s']:9.2f} {x:>7} "
+              f"{r['first_steps_seconds']:14.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -317,8 +317,8 @@ class TrainConfig:
     ``init_layers``: comma list of its layer indices to keep, in order (a shallower, cheaper drafter that starts
     from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
-    ``compile``: the forward up to the logits (:func:`block_logits`) through ``torch.compile`` (inductor; needs a C++
-    compiler): the first step compiles, later ones run faster (``bench/bench_train_speed.py``).
+    ``compile``: the forward up to the logits (:func:`block_logits`) through ``torch.compile`` (inductor; needs a
+    C++ compiler): the first step compiles, later ones run faster (``bench/bench_train_speed.py``).
     """
 
     data: str
@@ -472,7 +472,7 @@ def _make_drafter(cfg: TrainConfig, tmodel, fresh: DFlashConfig, meta: dict, st:
             with torch.no_grad():  # start the output norm where the target's final norm is (same LM head)
                 drafter.norm.weight.copy_(tnorm.weight.float())
     drafter.train()
-    # inductor fuses the elementwise passes around the GEMMs (masks, softmax, norms, casts, the loss), which
+    # inductor fuses the forward's elementwise passes around the GEMMs (masks, softmax, norms, RoPE, casts), which
     # take most of an eager bf16 step on one thread
     logits_fn = torch.compile(block_logits, dynamic=True) if cfg.compile else block_logits
     return _Drafter(drafter, dcfg, tmodel.get_input_embeddings(), tmodel.get_output_embeddings(), logits_fn)
