@@ -643,7 +643,7 @@ def _log_step(log, run: _Progress, loss, stats: dict, gn, cur_lr: float) -> None
     now = time.time()
     run.extra["train_seconds"] += now - run.seg_t
     run.seg_t = now
-    log.write(json.dumps({"step": run.step, "loss": round(float(loss), 4), "loss_ema": round(run.ema, 4),
+    log.write(json.dumps({"step": run.step, "loss": round(float(loss.detach()), 4), "loss_ema": round(run.ema, 4),
                           "ce": round(stats["ce"], 4), "kl": None if stats["kl"] is None else round(stats["kl"], 4),
                           "lr": cur_lr, "grad_norm": round(float(gn), 3), "tau": round(stats["tau"], 3),
                           "acc": [round(a, 3) for a in stats["pos_acc"][:15]],
