@@ -1,8 +1,10 @@
-"""Drafter training speed: float32, bf16 autocast, and bf16 autocast with the loss compiled, side by side.
+"""Drafter training speed: float32, bf16 autocast, bf16 with the forward compiled, and that with length-bucketed
+batches, side by side.
 
 Runs ``train_drafter`` for ``--steps`` steps once per mode (same seed, data and drafter shape): float32; ``bf16``
 (``torch.autocast`` on the CPU: oneDNN's bf16 GEMMs, AMX where the CPU has it); ``bf16+compile``
-(``TrainConfig.compile``: the forward and loss through ``torch.compile``). Speed is training rows (draft positions
+(``TrainConfig.compile``: the forward up to the logits through ``torch.compile``); ``bf16+compile+bucket``
+(``TrainConfig.bucket_by_length``: batches of sequences of similar length). Speed is training rows (draft positions
 with a loss) and blocks per second over the steps after the first ``--warmup-steps`` (the compile happens in the
 first step; its time is reported on its own), read from each run's ``train_log.jsonl``. Prints a table and writes
 ``bench/results/train_speed_cpu.json``.
@@ -22,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 
-MODES = {"fp32": dict(bf16=False), "bf16": dict(bf16=True), "bf16+compile": dict(bf16=True, compile=True)}
+MODES = {"fp32": dict(bf16=False), "bf16": dict(bf16=True), "bf16+compile": dict(bf16=True, compile=True),
+         "bf16+compile+bucket": dict(bf16=True, compile=True, bucket_by_length=True)}
 
 
 def _run(mode: str, data: str, steps: int, warmup_steps: int, threads: int, layers: int, block: int,
@@ -81,10 +84,10 @@ def main() -> int:
     print(f"# {rec['cpu']}, {rec['threads']} thread(s), AMX {rec['amx']}, AVX512-BF16 {rec['avx512_bf16']}: "
           f"{args.layers}-layer drafter, block {args.block_size}, batch {args.batch_size}, steps "
           f"{args.warmup_steps + 1}..{args.steps} timed")
-    print(f"{'mode':>13} {'rows/s':>9} {'blocks/s':>9} {'x fp32':>7} {'first steps s':>14}")
+    print(f"{'mode':>20} {'rows/s':>9} {'blocks/s':>9} {'x fp32':>7} {'first steps s':>14}")
     for r in runs:
         x = f"{r['over_fp32']:.2f}" if r["over_fp32"] else "-"
-        print(f"{r['mode']:>13} {r['rows_per_s']:9.1f} {r['blocks_per_s']:9.2f} {x:>7} "
+        print(f"{r['mode']:>20} {r['rows_per_s']:9.1f} {r['blocks_per_s']:9.2f} {x:>7} "
               f"{r['first_steps_seconds']:14.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")

@@ -498,3 +498,50 @@ def test_block_loss_statistics_follow_the_argmax_chain():
     assert st["pos_acc"] == pytest.approx(want_acc) and st["tau"] == pytest.approx(1 + runs.float().mean().item())
     ce = torch.nn.functional.cross_entropy(head(h)[valid], labels[valid])
     torch.testing.assert_close(loss, ce, rtol=1e-5, atol=1e-6)
+
+
+def test_length_bucketed_batches_draw_neighbours_in_length():
+    """TrainConfig.bucket_by_length: a batch's sequences lie within a window of 4 x batch_size neighbours in
+    length order, every sequence is drawn over many batches, and without the option the draw is uniform (batches
+    mix short and long sequences)."""
+    from taps.training.train_drafter import _sample_batch
+
+    class Data:
+        def __init__(self):
+            g = random.Random(3)
+            self.lengths = [g.randrange(12, 300) for _ in range(100)]
+            self.asked = []
+
+        def __len__(self):
+            return len(self.lengths)
+
+        def by_length(self):
+            return sorted(range(len(self.lengths)), key=self.lengths.__getitem__)
+
+        def get(self, k, max_len):
+            self.asked.append(k)
+            L = min(self.lengths[k], max_len)
+            return torch.arange(L) % 50, torch.zeros(L, 4), 4
+
+    cfg = DFlashConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                       block_size=4, mask_token_id=63)
+    spans = {}
+    for bucket in (True, False):
+        ds, rng = Data(), random.Random(0)
+        rank = {k: r for r, k in enumerate(ds.by_length())}
+        tc = TrainConfig(data="d", out="o", batch_size=8, anchors_per_seq=2, bucket_by_length=bucket)
+        worst = 0
+        for _ in range(300):
+            ds.asked.clear()
+            _sample_batch(tc, cfg, ds, rng)
+            ranks = [rank[k] for k in ds.asked]
+            assert len(ranks) == 8
+            worst = max(worst, max(ranks) - min(ranks))
+        spans[bucket] = worst
+        assert len(set(ds.asked)) <= 8
+    assert spans[True] < 32 <= spans[False]
+    ds, rng = Data(), random.Random(1)
+    tc = TrainConfig(data="d", out="o", batch_size=8, anchors_per_seq=2, bucket_by_length=True)
+    for _ in range(200):
+        _sample_batch(tc, cfg, ds, rng)
+    assert set(ds.asked) == set(range(100))

@@ -162,6 +162,8 @@ def _add_train_drafter(subparsers):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forward up to the logits (inductor, needs a C++ compiler; the first step "
                         "compiles for a minute or two, later steps run faster)")
+    p.add_argument("--bucket-by-length", action="store_true",
+                   help="draw each batch from a window of sequences of similar length (less padding)")
     p.set_defaults(func=_cmd_train)
 
 

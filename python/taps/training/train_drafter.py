@@ -44,6 +44,8 @@ class ShardData:
         self.only = set(only) if only is not None else None
         self.shards = {}
         self.index = []  # (shard_idx, seq_idx)
+        self.lengths = []  # tokens (prompt + response) of each index entry
+        self._by_length = None
         self.meta = json.loads((self.dir / "meta.json").read_text())
         self.rescan()
 
@@ -64,8 +66,15 @@ class ShardData:
                 L = int(off[i + 1] - off[i])
                 if L - int(blob["prompt_lens"][i]) >= 2:
                     self.index.append((s, i))
+                    self.lengths.append(L)
             added += 1
         return added
+
+    def by_length(self) -> List[int]:
+        """Index entries in order of length (recomputed after a rescan added some)."""
+        if self._by_length is None or len(self._by_length) != len(self.index):
+            self._by_length = sorted(range(len(self.index)), key=self.lengths.__getitem__)
+        return self._by_length
 
     def __len__(self):
         return len(self.index)
@@ -319,6 +328,8 @@ class TrainConfig:
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
     ``compile``: the forward up to the logits (:func:`block_logits`) through ``torch.compile`` (inductor; needs a
     C++ compiler): the first step compiles, later ones run faster (``bench/bench_train_speed.py``).
+    ``bucket_by_length``: a batch is drawn from a window of ``4 * batch_size`` sequences of similar length (less
+    padding for the context rows), not uniformly.
     """
 
     data: str
@@ -353,6 +364,7 @@ class TrainConfig:
     kl_weight: float = 0.0
     min_lr_ratio: float = 0.1
     compile: bool = False
+    bucket_by_length: bool = False
 
     def __post_init__(self):
         if self.train_vocab not in ("seen", "full"):
@@ -612,7 +624,15 @@ def _train_step(cfg: TrainConfig, model: _Drafter, ds: ShardData, opt, rng: rand
 def _sample_batch(cfg: TrainConfig, dcfg: DFlashConfig, ds: ShardData, rng: random.Random):
     """:func:`make_batch` of ``cfg.batch_size`` random sequences (with the target's top-k when
     ``cfg.kl_weight`` > 0)."""
-    keys = [rng.randrange(len(ds)) for _ in range(cfg.batch_size)]
+    if cfg.bucket_by_length and len(ds) > cfg.batch_size:
+        # a random window of 4 x batch_size sequences adjacent in length: the batch pads to its longest, and the
+        # context projection, its K/V and the attention's keys run over the padding too
+        order = ds.by_length()
+        width = min(len(order), 4 * cfg.batch_size)
+        lo = min(max(0, rng.randrange(len(order)) - width // 2), len(order) - width)
+        keys = [order[lo + j] for j in rng.sample(range(width), cfg.batch_size)]
+    else:
+        keys = [rng.randrange(len(ds)) for _ in range(cfg.batch_size)]
     samples = [ds.get(k, cfg.max_seq_len) for k in keys]
     topk = None
     if cfg.kl_weight > 0:
