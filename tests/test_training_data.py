@@ -453,7 +453,7 @@ def _loss_batch(S: int = 5):
 
 
 @pytest.mark.slow
-def test_compiled_loss_terms_match_eager():
+def test_compiled_block_logits_match_eager():
     """TrainConfig.compile: block_logits through torch.compile gives the eager loss, statistics and gradients
     (float32, inductor's own reduction order: a tolerance of a few float32 ulps of the loss)."""
     from taps.training.train_drafter import block_logits

@@ -45,7 +45,7 @@ class ShardData:
         self.shards = {}
         self.index = []  # (shard_idx, seq_idx)
         self.lengths = []  # tokens (prompt + response) of each index entry
-        self._by_length = None
+        self._by_length: List[int] = []
         self.meta = json.loads((self.dir / "meta.json").read_text())
         self.rescan()
 
@@ -72,7 +72,7 @@ class ShardData:
 
     def by_length(self) -> List[int]:
         """Index entries in order of length (recomputed after a rescan added some)."""
-        if self._by_length is None or len(self._by_length) != len(self.index):
+        if len(self._by_length) != len(self.index):
             self._by_length = sorted(range(len(self.index)), key=self.lengths.__getitem__)
         return self._by_length
 
