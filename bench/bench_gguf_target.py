@@ -3,9 +3,12 @@ torch fp32 / bf16 / int8 (fbgemm dynamic) linear layers over the same matrices a
 (2) a target step (one thread, a prefix of ``--prefix`` tokens) of the GGUF forward against the fp32 HF
 target: decode (1 node) and verifies of n-node trees (chains and bushy trees); (3) a batched decode step as data
 generation runs it (``--batch`` rows, each its own prefix of random keys and values, one new token each) with
-the float16 cache the format defines against a float32 one: ms per row at each prefix length.
+the float16 cache the format defines against a float32 one: ms per row at each prefix length; (4) the anatomy of
+a decode step (``--anatomy-prefixes``): the forward of one token at each prefix with and without its logits, so
+the head's share is the difference and attention's is the growth with the prefix (ms per 100 keys over the
+smallest prefix), against the time of streaming the step's bytes (blocks + keys and values) once.
 
-Prints both tables and writes JSON (default ``bench/results/gguf_target_cpu.json``); every record names the
+Prints the tables and writes JSON (default ``bench/results/gguf_target_cpu.json``); every record names the
 CPU and the block-kernel path that ran (``kernel_path``); ``--compare-path`` adds a column for a slower path of
 the same CPU (on an AMX CPU: ``--compare-path vnni``), the two timed in alternating order. Medians of repeated
 calls.
@@ -146,6 +149,38 @@ def batch_decode_table(batch, prefixes, repeats):
     return out
 
 
+def anatomy_table(prefixes, repeats, block_bytes, stream_floor_ms_per_byte):
+    """One decode step (one token, no features) at each prefix: ms with and without the head's logits."""
+    from taps.decode.gguf_verifier import chain_bits
+    from taps.models.gguf_target import load_gguf_target
+    from taps.models.target import find_smollm2_gguf
+
+    t = load_gguf_target(find_smollm2_gguf())
+    c = t.config
+    none, row = torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for P in prefixes:
+        keys, values = t.new_cache(1, P + 1)
+        for buf in keys + values:
+            buf.copy_(torch.randn(buf.shape, generator=gen))
+        args = (torch.tensor([[5]]), torch.tensor([[P]]), torch.tensor([P]), row, chain_bits(1), keys, values, none)
+        body, step = _interleaved_median_ms(lambda: t.forward_rows(*args, none), lambda: t.forward_rows(*args, row),
+                                            repeats)
+        kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * P * c.head_dim * keys[0].element_size()
+        out.append({"prefix": P, "step_ms": step, "without_head_ms": body, "head_ms": step - body,
+                    "kv_bytes": kv_bytes, "stream_floor_ms": (block_bytes + kv_bytes) * stream_floor_ms_per_byte})
+    base = out[0]
+    for r in out[1:]:
+        r["attention_ms_per_100_keys"] = 100 * (r["without_head_ms"] - base["without_head_ms"]) / (
+            r["prefix"] - base["prefix"])
+    return out
+
+
+def _ints(text):
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
@@ -156,6 +191,8 @@ def main():
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 HF target in the step table")
     ap.add_argument("--batch", type=int, default=64, help="rows of the batched decode table (0: skip it)")
     ap.add_argument("--batch-prefixes", default="16,150,300,450")
+    ap.add_argument("--anatomy-prefixes", default="16,250,500,1000",
+                    help="prefixes of the decode-step anatomy table ('' to skip it)")
     ap.add_argument("--compare-path", default=None, choices=["vnni", "avx2", "scalar"],
                     help="also time the block kernels through this slower path (e.g. vnni on an AMX CPU)")
     ap.add_argument("--out", default="bench/results/gguf_target_cpu.json")
@@ -166,7 +203,7 @@ def main():
 
     torch.set_grad_enabled(False)
     res = {"cpu": cpu_name(), "threads": args.threads, "kernel_path": _C.gguf_kernel_path(),
-           "kernels": kernel_table([int(r) for r in args.rows.split(",")], args.repeats, args.compare_path)}
+           "kernels": kernel_table(_ints(args.rows) or [1], args.repeats, args.compare_path)}
     k = res["kernels"]
     print(f"# {res['cpu']}, {args.threads} thread(s), {res['kernel_path']} kernels: "
           f"all {k['matrices']} matrices of SmolLM2 "
@@ -178,19 +215,28 @@ def main():
         print(f"{r['rows']:>5} {r['gguf_ms']:>8.2f} {r['gguf_GBps']:>6.1f} {r['gguf_GOPs']:>7.0f} {r['fp32_ms']:>8.2f} "
               f"{r['bf16_ms']:>8.2f} {r['int8_fbgemm_ms']:>8.2f}" + (f" {r[other]:>9.2f}" if other else ""))
     res["prefix"] = args.prefix
-    res["steps"] = step_table([int(n) for n in args.nodes.split(",")], args.prefix, args.repeats, not args.no_fp32)
+    res["steps"] = step_table(_ints(args.nodes) or [1], args.prefix, args.repeats, not args.no_fp32)
     print(f"\n# target step, prefix {args.prefix}: one verify forward (logits + the drafter's 5 feature layers)")
     print(f"{'format':>6} {'nodes':>5} {'shape':>6} {'ms':>8} {'x decode':>8}")
     base = {s["format"]: s["ms"] for s in res["steps"] if s["nodes"] == 1}
     for s in res["steps"]:
         print(f"{s['format']:>6} {s['nodes']:>5} {s['shape']:>6} {s['ms']:>8.2f} {s['ms'] / base[s['format']]:>8.2f}")
     if args.batch:
-        res["batch_decode"] = batch_decode_table(args.batch, [int(p) for p in args.batch_prefixes.split(",")],
+        res["batch_decode"] = batch_decode_table(args.batch, _ints(args.batch_prefixes),
                                                  max(3, args.repeats // 2))
         print(f"\n# gguf decode step over {args.batch} rows, each its own prefix: ms per row by KV cache dtype")
         print(f"{'prefix':>6} {'float32':>8} {'float16':>8}")
         for r in res["batch_decode"]:
             print(f"{r['prefix']:>6} {r['float32_ms_per_row']:>8.3f} {r['float16_ms_per_row']:>8.3f}")
+    if _ints(args.anatomy_prefixes):
+        per_byte = k["stream_floor_ms"] / k["bytes"]
+        res["decode_anatomy"] = anatomy_table(_ints(args.anatomy_prefixes), max(9, args.repeats), k["bytes"], per_byte)
+        print("\n# gguf decode step (one token, logits, no features) by prefix: where the time goes")
+        print(f"{'prefix':>6} {'step ms':>8} {'no head':>8} {'head':>6} {'attn ms/100 keys':>16} {'stream floor':>12}")
+        for r in res["decode_anatomy"]:
+            slope = r.get("attention_ms_per_100_keys")
+            print(f"{r['prefix']:>6} {r['step_ms']:>8.2f} {r['without_head_ms']:>8.2f} {r['head_ms']:>6.2f} "
+                  f"{'' if slope is None else f'{slope:.3f}':>16} {r['stream_floor_ms']:>12.2f}")
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")
