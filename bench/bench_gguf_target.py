@@ -19,7 +19,6 @@ import random
 import statistics
 import time
 
-import numpy as np
 import torch
 from bench_rows_linear import _median_ms  # run as `python bench/...`: its folder is on the path
 
@@ -47,20 +46,18 @@ def _interleaved_median_ms(a, b, repeats):
 
 
 def kernel_table(rows, repeats, compare_path=None):
-    from gguf import GGUFReader
-
+    from taps.models.gguf_file import GGUFFile
     from taps.models.target import find_smollm2_gguf
     from taps_kernels import _C
 
-    reader = GGUFReader(str(find_smollm2_gguf()))
     mats, fp32 = [], []
-    for t in reader.tensors:
-        if int(t.tensor_type) not in (3, 8):
+    for t in GGUFFile(find_smollm2_gguf()).tensors.values():
+        if t.ggml_type not in (3, 8):
             continue
-        raw = torch.from_numpy(np.array(t.data))
-        K = int(t.shape[0])
-        mats.append((_C.gguf_pack(raw, int(t.tensor_type), K), int(t.tensor_type), raw.shape[0], K))
-        fp32.append(_C.gguf_dequantize(raw, int(t.tensor_type), K))
+        K, N = t.shape[0], t.shape[1]
+        raw = torch.from_numpy(t.data.reshape(N, -1).copy())
+        mats.append((_C.gguf_pack(raw, t.ggml_type, K), t.ggml_type, N, K))
+        fp32.append(_C.gguf_dequantize(raw, t.ggml_type, K))
     nbytes = sum(m[0].numel() for m in mats)
     macs = sum(n * k for _, _, n, k in mats)
     bf16 = [w.bfloat16() for w in fp32]

@@ -23,24 +23,12 @@ import torch
 
 from taps_kernels.reference.gguf import BLOCK, BLOCK_BYTES, Q4_1, Q8_0, TYPE_NAMES
 
+from .gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
+
 #: GGUF architectures the forward runs (decoder layers: RMSNorm, RoPE, GQA, SwiGLU; Qwen3 adds q/k norms).
 ARCHITECTURES = ("llama", "qwen3")
 MATRICES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
             "down": "ffn_down"}
-
-
-class GGUFFormatError(ValueError):
-    """A GGUF file the forward cannot run: the message names the tensor or key and what was found."""
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None or not f.data:
-        return default
-    part = f.parts[f.data[0]]
-    if f.types and f.types[0].name == "STRING":
-        return bytes(part).decode("utf-8")
-    return part.tolist()[0] if len(part) == 1 else part.tolist()
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
@@ -133,71 +121,68 @@ class GGUFTarget(torch.nn.Module):
                                    feature_layers, logit_rows)
 
 
-def _config_from_gguf(reader, arch: str, vocab: int, tied: bool):
+def _config_from_gguf(reader: GGUFFile, arch: str, vocab: int, tied: bool):
     from transformers import LlamaConfig, Qwen3Config
 
     def need(key):
-        v = _field(reader, f"{arch}.{key}")
+        v = reader.field(f"{arch}.{key}")
         if v is None:
             raise GGUFFormatError(f"GGUF metadata: missing {arch}.{key}")
         return v
 
-    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+    if reader.field(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise GGUFFormatError(f"GGUF metadata: {arch}.rope.scaling.type="
-                              f"{_field(reader, f'{arch}.rope.scaling.type')!r} is not supported (plain RoPE only)")
+                              f"{reader.field(f'{arch}.rope.scaling.type')!r} is not supported (plain RoPE only)")
     heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    head_dim = int(reader.field(f"{arch}.attention.key_length", hidden // heads))
     kw = dict(hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
               num_hidden_layers=int(need("block_count")), num_attention_heads=heads,
-              num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
+              num_key_value_heads=int(reader.field(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
               rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-              rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+              rope_theta=float(reader.field(f"{arch}.rope.freq_base", 10000.0)),
               max_position_embeddings=int(need("context_length")), vocab_size=vocab, tie_word_embeddings=tied,
-              bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-              eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-              pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
+              bos_token_id=reader.field("tokenizer.ggml.bos_token_id"),
+              eos_token_id=reader.field("tokenizer.ggml.eos_token_id"),
+              pad_token_id=reader.field("tokenizer.ggml.padding_token_id"))
     cfg = (LlamaConfig if arch == "llama" else Qwen3Config)(**kw)
     cfg.rope_theta = kw["rope_theta"]
-    name = _field(reader, "general.name")
+    name = reader.field("general.name")
     cfg._name_or_path = str(name).replace(" ", "-") if name else arch
     return cfg
 
 
-def _tensor_rows(t, name: str) -> Tuple[torch.Tensor, int, int, int]:
+def _tensor_rows(t: GGUFTensor, name: str) -> Tuple[torch.Tensor, int, int, int]:
     """``(raw uint8 [N, row_bytes], ggml type, N, K)`` of a quantised matrix, checked."""
-    ggml_type = int(t.tensor_type)
+    ggml_type = t.ggml_type
     if ggml_type not in BLOCK_BYTES:
-        raise GGUFFormatError(f"{name}: GGML type {t.tensor_type.name} is not supported by the GGUF forward; "
+        raise GGUFFormatError(f"{name}: GGML type {t.type_name} is not supported by the GGUF forward; "
                               f"expected one of {', '.join(TYPE_NAMES.values())}")
+    if len(t.shape) > 2:
+        raise GGUFFormatError(f"{name}: expected a matrix, found {len(t.shape)} dimensions {t.shape}")
     K, N = int(t.shape[0]), int(t.shape[1]) if len(t.shape) > 1 else 1
     if K % BLOCK:
         raise GGUFFormatError(f"{name}: {K} columns is not a whole number of {BLOCK}-element blocks")
     row_bytes = K // BLOCK * BLOCK_BYTES[ggml_type]
-    data = np.asarray(t.data)
-    if data.dtype != np.uint8 or data.size != N * row_bytes:
-        raise GGUFFormatError(f"{name}: expected {N} rows of {row_bytes} bytes ({TYPE_NAMES[ggml_type]}, {K} columns), "
-                              f"found {data.size} bytes (truncated or misaligned blocks)")
-    return torch.from_numpy(np.ascontiguousarray(data).reshape(N, row_bytes).copy()), ggml_type, N, K
+    return torch.from_numpy(t.data.reshape(N, row_bytes).copy()), ggml_type, N, K
 
 
-def _vector(t, name: str, n: int) -> torch.Tensor:
-    if t.tensor_type.name != "F32":
-        raise GGUFFormatError(f"{name}: expected an F32 vector, found {t.tensor_type.name}")
-    data = np.asarray(t.data, dtype=np.float32).reshape(-1)
-    if data.size != n:
-        raise GGUFFormatError(f"{name}: expected {n} values, found {data.size}")
-    return torch.from_numpy(data.copy())
+def _vector(t: GGUFTensor, name: str, n: int) -> torch.Tensor:
+    if t.type_name != "F32":
+        raise GGUFFormatError(f"{name}: expected an F32 vector, found {t.type_name}")
+    if int(np.prod(t.shape)) != n:
+        raise GGUFFormatError(f"{name}: expected {n} values, found {int(np.prod(t.shape))}")
+    return torch.from_numpy(t.data.view("<f4").astype(np.float32))
 
 
 def load_gguf_target(path, kv_dtype: torch.dtype = torch.float16) -> GGUFTarget:
-    """Read a Llama / Qwen3 GGUF file into a :class:`GGUFTarget` (matrices repacked once, ~1 s for SmolLM2)
-    whose KV cache holds ``kv_dtype`` (``torch.float16``, the format's model, or ``torch.float32``).
+    """Read a Llama / Qwen3 GGUF file into a :class:`GGUFTarget` whose KV cache holds ``kv_dtype``
+    (``torch.float16``, the format's model, or ``torch.float32``). The header is read by
+    :class:`taps.models.gguf_file.GGUFFile` and each matrix repacked once (~0.2 s for SmolLM2 with transformers
+    already imported; 2.6 s through gguf-py's reader).
 
     Raises :class:`GGUFFormatError` naming the tensor for unsupported types, wrong shapes and truncated data,
     and RuntimeError when this CPU cannot run the forward (it needs AVX-512 or AVX2; ``taps_kernels.explain()``).
     """
-    from gguf import GGUFReader
-
     from taps_kernels import _C
 
     if kv_dtype not in (torch.float16, torch.float32):
@@ -206,14 +191,11 @@ def load_gguf_target(path, kv_dtype: torch.dtype = torch.float16) -> GGUFTarget:
         raise RuntimeError("the GGUF target needs a CPU with AVX-512, or AVX2 with FMA and F16C (this one lacks "
                            "them): use --target-format fp32")
     path = Path(path)
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as e:  # gguf raises these on truncated or foreign files
-        raise GGUFFormatError(f"{path.name}: not a readable GGUF file ({e})") from None
-    arch = _field(reader, "general.architecture")
+    reader = GGUFFile(path)
+    arch = reader.field("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFFormatError(f"general.architecture: {arch!r} is not supported; expected one of {ARCHITECTURES}")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
 
     def get(name):
         if name not in tensors:
