@@ -186,14 +186,12 @@ def test_shard_format2_roundtrip_and_expected_counts(tmp_path):
                                atol=1e-3, rtol=1e-6)
 
 
-def test_train_drafter_resumes_from_its_checkpoint_without_the_parent(tmp_path, monkeypatch):
-    """A run started from a parent's layers 0 and 2 resumes from ``ckpt.pt`` alone: architecture, weights and
-    step come from the checkpoint even when the parent is gone and ``num_layers`` says otherwise."""
+def _tiny_training_run(tmp_path, monkeypatch):
+    """Two format-2 shards of a tiny target (which ``load_target`` then returns) and a 3-layer parent drafter."""
     import json
 
     import taps.models.target as target_mod
     from taps.training.data import _pack_shard
-    from taps.training.train_drafter import train_drafter
 
     target = tiny_target(2)
     monkeypatch.setattr(target_mod, "load_target", lambda name, **kw: (target, None))
@@ -207,6 +205,29 @@ def test_train_drafter_resumes_from_its_checkpoint_without_the_parent(tmp_path, 
     (data / "meta.json").write_text(json.dumps({"layer_ids": [0, 1]}))
     parent = tmp_path / "parent"
     tiny_drafter(layers=3, target_layers=6).save_pretrained(parent)
+    return data, parent
+
+
+def test_train_drafter_runs_from_the_cli(tmp_path, monkeypatch):
+    """``taps train-drafter`` builds its TrainConfig from the parsed arguments (not the CLI's own entries)."""
+    from taps.cli.main import main
+
+    data, parent = _tiny_training_run(tmp_path, monkeypatch)
+    argv = ["train-drafter", "--data", str(data), "--out", str(tmp_path / "cli"), "--init-from", str(parent),
+            "--init-layers", "0,2", "--block-size", "5", "--anchors-per-seq", "2", "--batch-size", "2",
+            "--max-seq-len", "64", "--warmup", "1", "--save-every", "1", "--holdout-shards", "0", "--kl-weight", "1",
+            "--threads", "1", "--steps", "2"]
+    assert main(argv) == 0
+    ck = torch.load(tmp_path / "cli" / "ckpt.pt", weights_only=False)
+    assert ck["step"] == 2
+
+
+def test_train_drafter_resumes_from_its_checkpoint_without_the_parent(tmp_path, monkeypatch):
+    """A run started from a parent's layers 0 and 2 resumes from ``ckpt.pt`` alone: architecture, weights and
+    step come from the checkpoint even when the parent is gone and ``num_layers`` says otherwise."""
+    from taps.training.train_drafter import train_drafter
+
+    data, parent = _tiny_training_run(tmp_path, monkeypatch)
     base = dict(data=str(data), out=str(tmp_path / "run"), block_size=5, anchors_per_seq=2, batch_size=2,
                 max_seq_len=64, warmup=1, save_every=1, holdout_shards="0", kl_weight=1.0, threads=1)
     first = train_drafter(TrainConfig(steps=2, init_from=str(parent), init_layers="0,2", **base))

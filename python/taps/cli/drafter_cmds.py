@@ -36,9 +36,12 @@ def _cmd_build_data(args):
 
 
 def _cmd_train(args):
+    from dataclasses import fields
+
     from taps.training.train_drafter import TrainConfig, train_drafter
 
-    train_drafter(TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("func", "command", "cmd")}))
+    # the config's own fields only: the parser's namespace also carries the CLI's bookkeeping (func, argv, ...)
+    train_drafter(TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}))
     return 0
 
 
