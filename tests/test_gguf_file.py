@@ -135,6 +135,16 @@ def test_unknown_tensor_type_errors_only_when_read(tmp_path):
     p = tmp_path / "type77.gguf"
     p.write_bytes(bytes(data))
     f = GGUFFile(p)
-    assert f.tensors["token_embd.weight"].type_name == "type 77"
+    assert f.tensors["token_embd.weight"].type_name == "77"
     with pytest.raises(GGUFFormatError, match="token_embd.weight: GGML type 77 is unknown"):
         f.tensors["token_embd.weight"].data
+
+
+def test_type_table_matches_gguf_py():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from taps.models.gguf_file import GGML_TYPES
+
+    for ggml_type, (name, per_block, block_bytes) in GGML_TYPES.items():
+        t = GGMLQuantizationType(ggml_type)
+        assert (t.name, GGML_QUANT_SIZES[t]) == (name, (per_block, block_bytes)), ggml_type

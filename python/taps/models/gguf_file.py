@@ -31,16 +31,17 @@ _SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5:
             7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 
-#: GGML tensor types: id -> (name, elements per block, bytes per block)
+#: GGML tensor types a file stores: id -> (name, elements per block, bytes per block) (Q8_1, a dot-product
+#: intermediate whose size gguf-py and ggml disagree on, is left out: reading one is an error)
 GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84),
+              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84),
               11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
               15: ("Q8_K", 256, 292), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
               28: ("F64", 1, 8), 30: ("BF16", 1, 2)}
 
 
 def ggml_type_name(ggml_type: int) -> str:
-    return GGML_TYPES[ggml_type][0] if ggml_type in GGML_TYPES else f"type {ggml_type}"
+    return GGML_TYPES[ggml_type][0] if ggml_type in GGML_TYPES else str(ggml_type)
 
 
 @dataclass
