@@ -138,6 +138,13 @@ def test_unknown_tensor_type_errors_only_when_read(tmp_path):
     assert f.tensors["token_embd.weight"].type_name == "77"
     with pytest.raises(GGUFFormatError, match="token_embd.weight: GGML type 77 is unknown"):
         f.tensors["token_embd.weight"].data
+    # dims whose product overflows 64 bits: still "past the end", not a short view
+    dims_at = at - 8 * len(t.shape)
+    data[at:at + 4] = struct.pack("<I", t.ggml_type)
+    data[dims_at:dims_at + 16] = struct.pack("<QQ", 2 ** 62, 2 ** 6)
+    p.write_bytes(bytes(data))
+    with pytest.raises(GGUFFormatError, match="token_embd.weight: its data ends at byte .* truncated"):
+        GGUFFile(p).tensors["token_embd.weight"].data
 
 
 def test_type_table_matches_gguf_py():
@@ -148,3 +155,27 @@ def test_type_table_matches_gguf_py():
     for ggml_type, (name, per_block, block_bytes) in GGML_TYPES.items():
         t = GGMLQuantizationType(ggml_type)
         assert (t.name, GGML_QUANT_SIZES[t]) == (name, (per_block, block_bytes)), ggml_type
+
+
+def test_random_header_damage_raises_only_format_errors(tmp_path):
+    """Single bytes of the header overwritten at random: the file opens or raises GGUFFormatError, and each
+    tensor's data is returned or raises GGUFFormatError (never another exception, never a wrong-sized view)."""
+    good = _with_every_metadata_kind(tmp_path / "kinds.gguf").read_bytes()
+    f = GGUFFile(tmp_path / "kinds.gguf")
+    table_end = min(t.offset for t in f.tensors.values()) - f.alignment
+    rng = np.random.default_rng(0)
+    p = tmp_path / "flip.gguf"
+    for _ in range(300):
+        data = bytearray(good)
+        at = int(rng.integers(0, table_end))
+        data[at] = int(rng.integers(0, 256))
+        p.write_bytes(bytes(data))
+        try:
+            damaged = GGUFFile(p)
+        except GGUFFormatError:
+            continue
+        for t in damaged.tensors.values():
+            try:
+                assert t.data.size == t.nbytes
+            except GGUFFormatError:
+                pass

@@ -14,6 +14,7 @@ u64; then the tensor data from the next multiple of ``general.alignment`` (defau
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,7 @@ class GGUFTensor:
         if self.ggml_type not in GGML_TYPES:
             raise GGUFFormatError(f"{self.name}: GGML type {self.ggml_type} is unknown (its size cannot be read)")
         _, per_block, block_bytes = GGML_TYPES[self.ggml_type]
-        n = int(np.prod(self.shape, dtype=np.int64))
+        n = math.prod(self.shape)  # Python integers: a damaged shape cannot overflow into a small size
         if n % per_block:
             raise GGUFFormatError(f"{self.name}: {n} elements is not a whole number of {self.type_name} blocks "
                                   f"({per_block} elements)")

@@ -15,6 +15,7 @@ The object offers what the decode loop, the policies and the drafter read from a
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -169,8 +170,8 @@ def _tensor_rows(t: GGUFTensor, name: str) -> Tuple[torch.Tensor, int, int, int]
 def _vector(t: GGUFTensor, name: str, n: int) -> torch.Tensor:
     if t.type_name != "F32":
         raise GGUFFormatError(f"{name}: expected an F32 vector, found {t.type_name}")
-    if int(np.prod(t.shape)) != n:
-        raise GGUFFormatError(f"{name}: expected {n} values, found {int(np.prod(t.shape))}")
+    if math.prod(t.shape) != n:
+        raise GGUFFormatError(f"{name}: expected {n} values, found {math.prod(t.shape)}")
     return torch.from_numpy(t.data.view("<f4").astype(np.float32))
 
 
