@@ -187,6 +187,3 @@ class _LazyStrings:
                 pos += 8 + n
             self._items = items
         return self._items
-
-    def __len__(self) -> int:
-        return self._n
