@@ -137,11 +137,35 @@ def test_keep_layers_renumbers_the_kept_layers():
     d2.load_state_dict(sd)  # strict: exactly the 2-layer names
     torch.testing.assert_close(d2.layers[1].mlp.up_proj.weight, d3.layers[2].mlp.up_proj.weight, rtol=0, atol=0)
     torch.testing.assert_close(d2.fc.weight, d3.fc.weight, rtol=0, atol=0)
-    for bad in ([], [0, 0], [3]):
+    for bad in ([], [3], [-1]):
         with pytest.raises(ValueError, match="init_layers"):
             keep_layers(d3.state_dict(), bad, 3)
     with pytest.raises(ValueError, match="init_layers"):
         TrainConfig(data="d", out="o", init_layers="0,2")
+
+
+def test_keep_layers_repeat_adds_a_layer_that_starts_as_the_identity():
+    torch.manual_seed(0)
+    d2 = tiny_drafter(layers=2)
+    for p in d2.parameters():  # a trained-looking drafter: no zero residual writes to begin with
+        p.data.normal_(0, 0.05)
+    cfg = DFlashConfig.from_dict(d2.config.to_dict())
+    cfg.num_hidden_layers = 3
+    d3 = DFlashDrafter(cfg)
+    d3.load_state_dict(keep_layers(d2.state_dict(), [0, 1, 1], 2))
+    torch.testing.assert_close(d3.layers[2].mlp.up_proj.weight, d2.layers[1].mlp.up_proj.weight, rtol=0, atol=0)
+    assert not d3.layers[2].self_attn.o_proj.weight.any() and not d3.layers[2].mlp.down_proj.weight.any()
+    assert d3.layers[1].self_attn.o_proj.weight.any()  # the first occurrence is the parent's layer as it was
+    emb = torch.nn.Embedding(d2.config.vocab_size, d2.config.hidden_size)
+    ctx = torch.randn(1, 9, d2.fc.in_features)
+    S = d2.config.block_size
+    block_ids = torch.full((1, 2, S), d2.mask_token_id)
+    block_ids[:, :, 0] = torch.tensor([5, 7])
+    anchors = torch.tensor([[3, 6]])
+    with torch.no_grad():
+        h2 = d2.forward_blocks(ctx, block_ids, anchors, emb)
+        h3 = d3.forward_blocks(ctx, block_ids, anchors, emb)
+    torch.testing.assert_close(h3, h2, rtol=0, atol=0)
 
 
 def test_clean_turn():

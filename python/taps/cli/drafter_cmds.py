@@ -158,7 +158,8 @@ def _add_train_drafter(subparsers):
     p.add_argument("--init-from", default=None,
                    help="drafter dir a new run starts from (weights + architecture; --block-size still applies)")
     p.add_argument("--init-layers", default=None,
-                   help="with --init-from: comma list of its layers to keep, e.g. 0,2 (a 2-layer drafter)")
+                   help="with --init-from: comma list of its layers to keep, e.g. 0,2 (a 2-layer drafter); a "
+                        "repeated index adds a layer that starts as the identity, e.g. 0,1,1")
     p.add_argument("--kl-weight", type=float, default=0.0,
                    help="weight of the distillation term to the target's top-k (data built with --topk)")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at this x lr")

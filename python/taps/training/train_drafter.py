@@ -299,20 +299,28 @@ def _save(out: Path, drafter, opt, step, rng, extra):
     drafter.save_pretrained(out / "drafter", dtype=torch.bfloat16)
 
 
+# A layer's writes to the residual stream; zeroed, the layer adds nothing, so a drafter grown by such a layer
+# starts as exactly the function of the one it came from and training decides what the new layer does.
+_RESIDUAL_WRITES = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
 def keep_layers(state_dict: dict, keep: List[int], num_layers: int) -> dict:
-    """A drafter state dict with only layers ``keep`` (in that order, renumbered ``0..len(keep)-1``); every
-    other tensor unchanged."""
-    if not keep or len(set(keep)) != len(keep) or not all(0 <= k < num_layers for k in keep):
-        raise ValueError(f"init_layers: expected distinct layer indices in [0, {num_layers}), received {keep}")
-    new_index = {old: new for new, old in enumerate(keep)}
-    out = {}
+    """A drafter state dict with layers ``keep`` (in that order, renumbered ``0..len(keep)-1``); every other
+    tensor unchanged. A repeated index adds a layer: a copy of that layer whose residual writes (attention
+    output and MLP down projections) start at zero, so the deeper drafter starts as the parent's function
+    (``[0, 1, 1]``: a third layer after the parent's last)."""
+    if not keep or not all(0 <= k < num_layers for k in keep):
+        raise ValueError(f"init_layers: expected layer indices in [0, {num_layers}), received {keep}")
+    layers = {}
     for name, t in state_dict.items():
         if name.startswith("layers."):
             _, idx, rest = name.split(".", 2)
-            if int(idx) in new_index:
-                out[f"layers.{new_index[int(idx)]}.{rest}"] = t
-        else:
-            out[name] = t
+            layers.setdefault(int(idx), {})[rest] = t
+    out = {name: t for name, t in state_dict.items() if not name.startswith("layers.")}
+    for new, old in enumerate(keep):
+        grown = old in keep[:new]
+        for rest, t in layers[old].items():
+            out[f"layers.{new}.{rest}"] = torch.zeros_like(t) if grown and rest in _RESIDUAL_WRITES else t.clone()
     return out
 
 
@@ -324,7 +332,8 @@ class TrainConfig:
     from (a run that finds ``<out>/ckpt.pt`` resumes from it instead, architecture and block size included, and
     reads neither ``init_from``, ``num_layers`` nor ``block_size``);
     ``init_layers``: comma list of its layer indices to keep, in order (a shallower, cheaper drafter that starts
-    from trained layers; default all). ``kl_weight`` > 0 adds the distillation term to the
+    from trained layers; default all); a repeated index adds a layer that starts as the identity (a deeper
+    drafter that starts as the parent's function, see :func:`keep_layers`). ``kl_weight`` > 0 adds the distillation term to the
     target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
     ``compile``: the forward up to the logits (:func:`block_logits`) through ``torch.compile`` (inductor; needs a
     C++ compiler): the first step compiles, later ones run faster (``bench/bench_train_speed.py``).
