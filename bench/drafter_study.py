@@ -38,7 +38,8 @@ def blocks_at_step(log: list, step: int) -> int:
     if not after or before[-1]["step"] == step:
         return before[-1]["blocks_seen"]
     a, b = before[-1], after[0]
-    return round(a["blocks_seen"] + (b["blocks_seen"] - a["blocks_seen"]) * (step - a["step"]) / (b["step"] - a["step"]))
+    rate = (b["blocks_seen"] - a["blocks_seen"]) / (b["step"] - a["step"])
+    return round(a["blocks_seen"] + rate * (step - a["step"]))
 
 
 def _tau(ev: dict) -> dict:

@@ -320,7 +320,7 @@ def keep_layers(state_dict: dict, keep: List[int], num_layers: int) -> dict:
     for new, old in enumerate(keep):
         grown = old in keep[:new]
         for rest, t in layers[old].items():
-            out[f"layers.{new}.{rest}"] = torch.zeros_like(t) if grown and rest in _RESIDUAL_WRITES else t.clone()
+            out[f"layers.{new}.{rest}"] = torch.zeros_like(t) if grown and rest in _RESIDUAL_WRITES else t
     return out
 
 
@@ -333,8 +333,9 @@ class TrainConfig:
     reads neither ``init_from``, ``num_layers`` nor ``block_size``);
     ``init_layers``: comma list of its layer indices to keep, in order (a shallower, cheaper drafter that starts
     from trained layers; default all); a repeated index adds a layer that starts as the identity (a deeper
-    drafter that starts as the parent's function, see :func:`keep_layers`). ``kl_weight`` > 0 adds the distillation term to the
-    target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard indices never trained on.
+    drafter that starts as the parent's function, see :func:`keep_layers`). ``kl_weight`` > 0 adds the
+    distillation term to the target's top-k (needs data with top-k). ``holdout_shards``: comma list of shard
+    indices never trained on.
     ``compile``: the forward up to the logits (:func:`block_logits`) through ``torch.compile`` (inductor; needs a
     C++ compiler): the first step compiles, later ones run faster (``bench/bench_train_speed.py``).
     ``bucket_by_length``: a batch is drawn from a window of ``4 * batch_size`` sequences of similar length (less
