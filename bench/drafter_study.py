@@ -79,7 +79,7 @@ def collect(runs: dict, evals: Path, e2e: Path | None, baseline: dict) -> dict:
         for f in sorted(evals.glob(f"{name}@*.json"), key=lambda p: int(p.stem.split("@")[1])):
             step = int(f.stem.split("@")[1])
             curve.append({"step": step, "blocks_seen": blocks_at_step(log, step), **_tau(json.loads(f.read_text()))})
-        if "heldout_fp32" in run:
+        if "heldout_fp32" in run and not any(p["step"] == summary["step"] for p in curve):  # one point a step
             curve.append({"step": summary["step"], "blocks_seen": summary["blocks_seen"], **run["heldout_fp32"]})
         run["curve"] = curve
         if e2e is not None and (e2e / f"{name}.json").exists():
