@@ -98,7 +98,8 @@ def per_token(recs):
 def test_bench_summary_recomputed_from_records(assets, capsys, tmp_path):
     out_json = tmp_path / "s.json"
     rc, out, err = run_cli(capsys, "bench", "--prompts", assets / "p.jsonl", "--policies", "dflash,ddtree:4,ddtree:2",
-                           "--max-new-tokens", 8, "--warmup", 0, "--hf-baseline", "--out", out_json, *common(assets))
+                           "--max-new-tokens", 8, "--warmup", 0, "--hf-baseline", "--out", out_json,
+                           "--scorer", tmp_path / "own_scorer", *common(assets))
     assert rc == 0, err
     records = [json.loads(line) for line in out.splitlines()]
     # Protocol: per prompt AR first, then the other policies rotated by one, then HF.
@@ -106,6 +107,7 @@ def test_bench_summary_recomputed_from_records(assets, capsys, tmp_path):
     assert order == ["ar", "dflash", "ddtree:4", "ddtree:2", "hf", "ar", "ddtree:4", "ddtree:2", "dflash", "hf"]
     assert all(r["identical_to_ar"] for r in records)
     data = json.loads(out_json.read_text())
+    assert data["config"]["scorer"].endswith("own_scorer")  # the record names the scorer asked for
     (run,) = data["runs"]
     assert run["temperature"] == 0.0 and run["prompts"] == 2 and not run["partial"]
     summary = run["policies"]

@@ -87,7 +87,7 @@ class Harness:
                 "kv_cache_dtype": str(getattr(self.model, "kv_dtype", None) or next(self.model.parameters()).dtype
                                       ).replace("torch.", ""),
                 "cpu": cpu_name(), "threads": torch.get_num_threads(),
-                "seed": args.seed, "scorer": portable_path(scorer_dir()),
+                "seed": args.seed, "scorer": portable_path(getattr(args, "scorer", None) or scorer_dir()),
                 "order": "AR first, then the other policies rotated by one per prompt",
                 "batch_sizes": self.batch_sizes, "hf_baseline": args.hf_baseline,
                 "hf_prompt_lookup": args.hf_prompt_lookup,
