@@ -132,6 +132,21 @@ def test_row_invariance_check_catches_a_kernel_that_depends_on_the_call():
 
 
 @pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("path", PATHS)
+def test_many_rows_and_groups_run_in_blocks_with_the_same_bits(t, path):
+    # past the kernels' loop blocking (32 rows of x over 16 groups of 16 outputs at a time, gguf_linear_interleave.h):
+    # 19 groups and up to 70 rows cross both blocks' edges, with partial blocks of each
+    N, K = 19 * 16 - 7, 96
+    raw = _raw(N, K, t, seed=5)
+    packed = _C.gguf_pack(raw, t, K)
+    x = torch.randn(70, K) * 3
+    y = _C.gguf_linear(x, packed, t, N, K, path)
+    assert torch.equal(_bits(y), _bits(gguf_linear_reference(x, raw, t)))
+    assert row_invariance_violations(lambda v: _C.gguf_linear(v, packed, t, N, K, path), K,
+                                     rows_per_call=(31, 33, 64, 65, 70)) == []
+
+
+@pytest.mark.parametrize("t", TYPES)
 def test_pack_of_smollm2_sizes_matches_reference(t):
     # SmolLM2's shapes: [576 x 576] attention, [1536 x 576] MLP, [576 x 1536] down
     for N, K in ((576, 576), (1536, 576), (576, 1536)):
