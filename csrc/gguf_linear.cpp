@@ -304,22 +304,16 @@ TAPS_VNNI_TARGET void packed_linear_vnni(BlockType t, const uint8_t* packed, int
   const GroupFn* fns = t == BlockType::Q4_1 ? q41 : q80;
   const int64_t KB = K / kBlock, rec = record_bytes(t);
   const Interleaved x = interleave_activations(a, scale, asum, M, K);
-  for (int64_t gb = g0; gb < g1; gb += kGroupBlock) {
-    const int64_t ge = std::min(gb + kGroupBlock, g1);
-    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
-      const int64_t me = std::min(mb + kRowBlock, M);
-      for (int64_t g = gb; g < ge; ++g) {
-        const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
-        const __mmask16 store = static_cast<__mmask16>((1u << live) - 1u);
-        const uint8_t* grec = packed + g * KB * rec;
-        for (int64_t m = mb, mc = 0; m < me; m += mc) {
-          const int64_t left = me - m, chunks = (left + kRowChunk - 1) / kRowChunk;
-          mc = (left + chunks - 1) / chunks;
-          fns[mc](grec, KB, x, m, y + m * ldy + g * kGroupRows, ldy, store);
-        }
-      }
+  for_each_block(g0, g1, M, [&](int64_t g, int64_t m0, int64_t m1) {
+    const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
+    const __mmask16 store = static_cast<__mmask16>((1u << live) - 1u);
+    const uint8_t* grec = packed + g * KB * rec;
+    for (int64_t m = m0, mc = 0; m < m1; m += mc) {
+      const int64_t left = m1 - m, chunks = (left + kRowChunk - 1) / kRowChunk;
+      mc = (left + chunks - 1) / chunks;
+      fns[mc](grec, KB, x, m, y + m * ldy + g * kGroupRows, ldy, store);
     }
-  }
+  });
 }
 #endif
 

@@ -209,21 +209,15 @@ void packed_linear_tiles(BlockType t, const uint8_t* packed, int64_t N, int64_t 
   const int64_t KB = K / kBlock, rec = record_bytes(t);
   const Interleaved x = interleave_activations(a, scale, asum, M, K);
   Tiles::begin();
-  for (int64_t gb = g0; gb < g1; gb += kGroupBlock) {
-    const int64_t ge = std::min(gb + kGroupBlock, g1);
-    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
-      const int64_t me = std::min(mb + kRowBlock, M);
-      for (int64_t g = gb; g < ge; ++g) {
-        const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
-        const __mmask16 store = static_cast<__mmask16>((1u << live) - 1u);
-        const uint8_t* grec = packed + g * KB * rec;
-        for (int64_t m = mb; m < me; m += kTileRows) {
-          const int64_t mc = std::min<int64_t>(kTileRows, me - m);
-          fns[mc](grec, KB, x, m, y + m * ldy + g * kGroupRows, ldy, store);
-        }
-      }
+  for_each_block(g0, g1, M, [&](int64_t g, int64_t m0, int64_t m1) {
+    const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
+    const __mmask16 store = static_cast<__mmask16>((1u << live) - 1u);
+    const uint8_t* grec = packed + g * KB * rec;
+    for (int64_t m = m0; m < m1; m += kTileRows) {
+      const int64_t mc = std::min<int64_t>(kTileRows, m1 - m);
+      fns[mc](grec, KB, x, m, y + m * ldy + g * kGroupRows, ldy, store);
     }
-  }
+  });
   Tiles::end();
 }
 

@@ -45,6 +45,18 @@ inline void prefetch_record_ahead(const uint8_t* rec, int64_t record_bytes) {
 // block either way, as the control): 64 rows 66.3 -> 54.8 ms on the AMX tiles, 59.8 -> 50.8 on VNNI.
 constexpr int64_t kRowBlock = 32, kGroupBlock = 16;
 
+// Calls run(g, m0, m1) for every group g in [g0, g1) and every block of rows [m0, m1) of M, in that blocked order.
+template <class Run>
+inline void for_each_block(int64_t g0, int64_t g1, int64_t M, Run run) {
+  for (int64_t gb = g0; gb < g1; gb += kGroupBlock) {
+    const int64_t ge = gb + kGroupBlock < g1 ? gb + kGroupBlock : g1;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t m1 = m0 + kRowBlock < M ? m0 + kRowBlock : M;
+      for (int64_t g = gb; g < ge; ++g) run(g, m0, m1);
+    }
+  }
+}
+
 // a [M, K] int8, scale / asum [M, K/32] as quantize_activations writes them -> the interleaved copy, in buffers
 // of the calling thread (valid until its next call).
 Interleaved interleave_activations(const int8_t* a, const float* scale, const int32_t* asum, int64_t M, int64_t K);
