@@ -9,7 +9,7 @@ from helpers import hf_greedy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps.decode.latency import round_seconds
 from taps.scoring.eval_scorer import evaluate_scorer, reliability
-from taps.decode.latency import drafter_key, get_table, isotonic, measure_latency
+from taps.decode.latency import T0_TIMING, drafter_key, get_table, isotonic, measure_draft_time, measure_latency
 from taps.scoring.traces import accepted_mask, load_traces, split_by_prompt, stack_records, trace_prompt
 from taps.scoring.model import TapsScorer
 from taps.scoring.train_scorer import DEPTH_TABLE, edge_targets, train_scorer
@@ -199,7 +199,8 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
     assert len(lat) == 11
     assert all(x > 0 for x in lat) and all(b >= a for a, b in zip(lat, lat[1:]))
     parts = t["t0_parts"]
-    assert t["t0"] > 0 and set(parts) == {"draft", "context", "draft_by_positions"}
+    assert t["t0"] > 0 and set(parts) == {"draft", "context", "draft_by_positions", "timed"}
+    assert parts["timed"] == T0_TIMING
     by_pos = parts["draft_by_positions"]
     assert len(by_pos) == drafter.config.block_size - 1 and all(b >= a > 0 for a, b in zip(by_pos, by_pos[1:]))
     assert parts["draft"] == by_pos[-1] and t["t0"] == parts["draft"] + parts["context"]
@@ -218,12 +219,36 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
     assert t3["latency"] == t1["latency"] and t3["t0"] > 0 and t3["drafter"] == drafter_key(drafter)
     assert len(t3["t0_parts"]["draft_by_positions"]) == drafter.config.block_size - 1
     assert json.loads(files[0].read_text())["drafter"] == drafter_key(drafter)
+    # a cached t0 timed another way (back to back, before drafts followed target steps): measured again
+    rec = json.loads(files[0].read_text())
+    rec["t0"], rec["t0_parts"] = 123.0, {k: v for k, v in rec["t0_parts"].items() if k != "timed"}
+    files[0].write_text(json.dumps(rec))
+    t4 = get_table(target, drafter, n_max=6)
+    assert t4["t0"] != 123.0 and t4["t0_parts"]["timed"] == T0_TIMING and t4["latency"] == t1["latency"]
     drafter.head_dtype = torch.bfloat16  # another head dtype is another drafter cost
     try:
         assert drafter_key(drafter) != t3["drafter"]
         assert get_table(target, drafter, n_max=6)["drafter"] == drafter_key(drafter)
     finally:
         drafter.head_dtype = None
+
+
+def test_draft_time_follows_a_target_step_each_time(models):
+    """Each timed draft and context update comes right after a verify, as in decoding (caches as a round leaves
+    them)."""
+    from taps.decode.verifier import make_verifier
+
+    target, drafter = models
+    ver = make_verifier(target, list(drafter.config.target_layer_ids))
+    prompt = torch.randint(0, target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    _, feats = ver.prefill(prompt)
+    calls = []
+    verify = ver.verify
+    ver.verify = lambda tree: calls.append(int(tree.num_nodes[0])) or verify(tree)
+    repeats = 2
+    measure_draft_time(target, drafter, ver, prompt, feats, repeats)
+    D = drafter.config.block_size - 1
+    assert calls == [1] * ((D + 1) * (repeats + 1))  # one root-only verify before every timed call
 
 
 def test_replay_full_pool_tau_and_costs(traces, models):
