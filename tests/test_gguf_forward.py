@@ -294,6 +294,19 @@ def _block_drafter(seed=2):
     return DFlashDrafter(cfg).eval()
 
 
+def test_latency_key_names_the_block_body_and_its_head():
+    """A block-body drafter costs what its blocks cost, not what its torch dtype would: the latency table's drafter
+    key says so (a cached t0 of the PyTorch layers is not reused for it, nor one head format's for the other)."""
+    from taps.decode.latency import drafter_key
+    from taps.models.drafter_blocks import enable_block_draft
+
+    layers, q8, q4 = _block_drafter(), _block_drafter(), _block_drafter()
+    enable_block_draft(q8)
+    enable_block_draft(q4, "q4_1")
+    keys = [drafter_key(d) for d in (layers, q8, q4)]
+    assert keys[0].split("-")[3] == "float32" and "-blocks-headq8_0-" in keys[1] and "-blocks-headq4_1-" in keys[2]
+
+
 def test_block_draft_equals_the_torch_layers_on_the_same_blocks(tiny_f32):
     import copy
 

@@ -90,10 +90,15 @@ def model_key(model) -> str:
 
 
 def drafter_key(drafter) -> str:
-    """What one draft pass's time depends on: layers, width, block, body/head dtypes, draft vocabulary."""
+    """What one draft pass's time depends on: layers, width, block, body (``blocks`` for the GGUF block body, else
+    its dtype) and head format, draft vocabulary."""
     c = drafter.config
-    body = str(next(drafter.parameters()).dtype).replace("torch.", "")
-    head = str(getattr(drafter, "head_dtype", None) or body).replace("torch.", "")
+    block = getattr(drafter, "block_draft", None)
+    if block is not None:  # its torch parameters' dtype says nothing of how it drafts
+        body, head = "blocks", block.head_format
+    else:
+        body = str(next(drafter.parameters()).dtype).replace("torch.", "")
+        head = str(getattr(drafter, "head_dtype", None) or body).replace("torch.", "")
     vocab = getattr(c, "draft_vocab_size", None) or c.vocab_size
     short = "-short" if getattr(drafter, "short_blocks", False) else ""
     return f"L{c.num_hidden_layers}-H{c.hidden_size}-B{c.block_size}-{body}-head{head}-V{vocab}{short}"

@@ -68,6 +68,7 @@ class BlockDraft:
             raise ValueError(f"head_format: expected one of {sorted(HEAD_FORMATS)}, received {head_format!r}")
         self._C = _C
         self.drafter = drafter
+        self.head_format = head_format
         self.head_type = HEAD_FORMATS[head_format]
         c = drafter.config
         self.layers = []
