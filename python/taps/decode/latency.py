@@ -10,11 +10,12 @@ Procedure: prefill ``prefix_len`` random tokens; for each ``n`` of a grid (every
 random tree of ``n`` non-root nodes, ``repeats`` times after one warm-up, crop the cache back, keep the
 median. The table is interpolated linearly between grid points and made non-decreasing (isotonic fit,
 pool-adjacent-violators), since noise on a shared machine can invert neighbours. ``t0`` is the median
-time of a drafter pass plus the drafter's context update (0 without a drafter); each policy adds its own
-measured pool/score/select overhead on top. ``t0`` belongs to one drafter shape (:func:`drafter_key`:
-layers, width, dtypes, block, draft vocabulary): :func:`get_table` re-measures it alone, in about a
-second, when a cached table was made with another drafter, so a faster drafter is never costed as the
-old one (the verify table, the slow part, depends on the target only).
+time of a drafter pass plus the drafter's context update (0 without a drafter), each timed right after a
+target step as decoding runs them (:func:`measure_draft_time`); each policy adds its own measured
+pool/score/select overhead on top. ``t0`` belongs to one drafter shape (:func:`drafter_key`: layers, width,
+body and head, block, draft vocabulary): :func:`get_table` re-measures it alone, in about a second, when a
+cached table was made with another drafter, so a faster drafter is never costed as the old one (the verify
+table, the slow part, depends on the target only).
 
 Batch tables (``batch_sizes``, ``taps calibrate --batch-sizes``): for ``R`` rows, ``batch_latency[R][n]`` = seconds
 of one verify of ``R`` rows (prefixes of ``prefix_len`` tokens) holding ``n`` non-root nodes in total, spread as
