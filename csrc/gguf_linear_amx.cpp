@@ -51,16 +51,20 @@ namespace gguf {
 #ifdef TAPS_HAVE_AMX_PATH
 namespace {
 
-#define TAPS_AMX_FLOAT __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
-#define TAPS_AMX_TILES __attribute__((target("amx-tile,amx-int8")))
+// One target for the tile steps and the float step around them: a tile step compiled for another target than its
+// caller's is not inlined, and a call between the float steps makes each of their accumulators a spill (no vector
+// register survives a call in the SysV ABI).
+#define TAPS_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c,amx-tile,amx-int8")))
 
 constexpr int kTileRows = 16;  // rows of x per tile multiply
 
-// C[16][16] = A . B as tdpbsud computes it (A: 16 rows x 32 int8, stride 32; B: 8 rows x 64 uint8).
+// C[16][16] = A . B as tdpbsud computes it (A: 16 rows x 32 int8, stride 32; B: 8 rows x 64 uint8), into the
+// product of tile set `set` (0 or 1); store(set, c) writes that product to c.
 struct EmulatedTiles {
   static void begin() {}
   static void end() {}
-  static void multiply(int, const int8_t* a, const uint8_t* b, int32_t* c) {
+  static void multiply(int set, const int8_t* a, const uint8_t* b) {
+    int32_t* c = product(set);
     for (int m = 0; m < kTileRows; ++m) {
       for (int n = 0; n < 16; ++n) {
         int32_t s = 0;
@@ -70,6 +74,11 @@ struct EmulatedTiles {
         c[m * 16 + n] = s;
       }
     }
+  }
+  static void store(int set, int32_t* c) { std::memcpy(c, product(set), sizeof(int32_t) * kTileRows * 16); }
+  static int32_t* product(int set) {
+    thread_local int32_t products[2][kTileRows * 16];
+    return products[set];
   }
 };
 
@@ -87,7 +96,7 @@ static_assert(sizeof(TileConfig) == 64 && offsetof(TileConfig, colsb) == 16 && o
               "TileConfig must be the 64-byte palette-1 layout");
 
 struct HardwareTiles {
-  TAPS_AMX_TILES static void begin() {
+  TAPS_AMX_TARGET static void begin() {
     static const TileConfig cfg = [] {
       TileConfig c;
       std::memset(&c, 0, sizeof c);
@@ -101,26 +110,36 @@ struct HardwareTiles {
     // (a local struct's stores have been dropped by compilers before ldtilecfg, which then faults)
     _tile_loadconfig(&cfg);
   }
-  TAPS_AMX_TILES static void end() { _tile_release(); }
-  TAPS_AMX_TILES static void multiply(int set, const int8_t* a, const uint8_t* b, int32_t* c) {
+  TAPS_AMX_TARGET static void end() { _tile_release(); }
+  // Inline assembly rather than the intrinsics: these name the bytes each instruction reads or writes, where the
+  // intrinsics' tile store clobbers all memory.
+  TAPS_AMX_TARGET __attribute__((always_inline)) static void multiply(int set, const int8_t* a, const uint8_t* b) {
+    const auto& am = *reinterpret_cast<const int8_t(*)[kTileRows * 32]>(a);
+    const auto& bm = *reinterpret_cast<const uint8_t(*)[512]>(b);
     if (set == 0) {
-      _tile_zero(0);
-      _tile_loadd(1, a, 32);
-      _tile_loadd(2, b, 64);
-      _tile_dpbsud(0, 1, 2);
-      _tile_stored(0, c, 64);
+      asm volatile("tilezero %%tmm0\n\ttileloadd (%0,%1,1), %%tmm1\n\ttileloadd (%2,%3,1), %%tmm2\n\t"
+                   "tdpbsud %%tmm2, %%tmm1, %%tmm0"
+                   :
+                   : "r"(a), "r"(int64_t{32}), "r"(b), "r"(int64_t{64}), "m"(am), "m"(bm));
     } else {
-      _tile_zero(3);
-      _tile_loadd(4, a, 32);
-      _tile_loadd(5, b, 64);
-      _tile_dpbsud(3, 4, 5);
-      _tile_stored(3, c, 64);
+      asm volatile("tilezero %%tmm3\n\ttileloadd (%0,%1,1), %%tmm4\n\ttileloadd (%2,%3,1), %%tmm5\n\t"
+                   "tdpbsud %%tmm5, %%tmm4, %%tmm3"
+                   :
+                   : "r"(a), "r"(int64_t{32}), "r"(b), "r"(int64_t{64}), "m"(am), "m"(bm));
+    }
+  }
+  TAPS_AMX_TARGET __attribute__((always_inline)) static void store(int set, int32_t* c) {
+    auto& cm = *reinterpret_cast<int32_t(*)[kTileRows * 16]>(c);
+    if (set == 0) {
+      asm volatile("tilestored %%tmm0, (%1,%2,1)" : "=m"(cm) : "r"(c), "r"(int64_t{64}));
+    } else {
+      asm volatile("tilestored %%tmm3, (%1,%2,1)" : "=m"(cm) : "r"(c), "r"(int64_t{64}));
     }
   }
 };
 
 // B of a Q4_1 record: low nibbles (elements 0..15 of each output row) then high nibbles (16..31).
-TAPS_AMX_FLOAT inline void unpack_q4_1(const uint8_t* rec, uint8_t* b) {
+TAPS_AMX_TARGET inline void unpack_q4_1(const uint8_t* rec, uint8_t* b) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int j = 0; j < 4; ++j) {
     const __m512i p = _mm512_loadu_si512(rec + 64 * j);
@@ -136,24 +155,27 @@ TAPS_AMX_FLOAT inline void unpack_q4_1(const uint8_t* rec, uint8_t* b) {
 constexpr int64_t kTileAhead = 3, kRing = 2 * kTileAhead + 2;
 
 // Stage kb of the tile pipeline (issued before the float step of block kb - kTileAhead): unpack the B of block
-// kb + kTileAhead (Q4_1), then multiply block kb, whose B was unpacked kTileAhead stages earlier.
+// kb + kTileAhead (Q4_1), store the product of block kb - 1, then multiply block kb, whose B was unpacked
+// kTileAhead stages earlier. A product is stored one stage after its multiply: a tile store right behind its
+// multiply waits for it, and there the tile stores took half the kernel's time (sampled, 16 rows).
 template <class Tiles, BlockType T>
-TAPS_AMX_FLOAT inline void tile_stage(const uint8_t* rec, int64_t kb, int64_t KB, const Interleaved& x, int64_t m0,
+TAPS_AMX_TARGET inline void tile_stage(const uint8_t* rec, int64_t kb, int64_t KB, const Interleaved& x, int64_t m0,
                                       uint8_t (*b)[512], int32_t (*c)[kTileRows * 16]) {
   const int64_t R = T == BlockType::Q4_1 ? kQ41Record : kQ80Record;
   if (T == BlockType::Q4_1 && kb + kTileAhead < KB) {
     unpack_q4_1(rec + (kb + kTileAhead) * R, b[(kb + kTileAhead) % kRing]);
   }
+  if (kb >= 1 && kb <= KB) Tiles::store(static_cast<int>((kb - 1) & 1), c[(kb - 1) % kRing]);
   if (kb < KB) {
     prefetch_record_ahead(rec + kb * R, R);
     const uint8_t* w = T == BlockType::Q4_1 ? b[kb % kRing] : rec + kb * R;
-    Tiles::multiply(static_cast<int>(kb & 1), x.act + (kb * x.M + m0) * kBlock, w, c[kb % kRing]);
+    Tiles::multiply(static_cast<int>(kb & 1), x.act + (kb * x.M + m0) * kBlock, w);
   }
 }
 
 // Rows m0 .. m0 + MC (MC <= 16) of x over one group of 16 output rows; rows past N are masked out of the store.
 template <class Tiles, BlockType T, int MC>
-TAPS_AMX_FLOAT void group_rows(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, float* y,
+TAPS_AMX_TARGET void group_rows(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, float* y,
                                int64_t ldy, __mmask16 store) {
   alignas(64) int32_t c[kRing][kTileRows * 16];
   alignas(64) uint8_t b[kRing][512];
@@ -162,7 +184,10 @@ TAPS_AMX_FLOAT void group_rows(const uint8_t* rec, int64_t KB, const Interleaved
     for (int64_t kb = 0; kb < std::min(KB, kTileAhead); ++kb) unpack_q4_1(rec + kb * R, b[kb]);
   }
   for (int64_t kb = 0; kb < kTileAhead; ++kb) tile_stage<Tiles, T>(rec, kb, KB, x, m0, b, c);
+  // The loops over rows are unrolled early (the pragmas), so that acc becomes MC registers: as an array in memory,
+  // the tile store's write kept it there, one load and one store of each accumulator per block.
   __m512 acc[MC];
+#pragma GCC unroll 16
   for (int r = 0; r < MC; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb) {
     tile_stage<Tiles, T>(rec, kb + kTileAhead, KB, x, m0, b, c);
@@ -172,6 +197,7 @@ TAPS_AMX_FLOAT void group_rows(const uint8_t* rec, int64_t KB, const Interleaved
     if (T == BlockType::Q4_1) {
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 256)));
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 288)));
+#pragma GCC unroll 16
       for (int i = 0; i < MC; ++i) {
         const __m512i is = _mm512_load_si512(cb + 16 * i);
         const __m512 blk = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(is)),
@@ -181,6 +207,7 @@ TAPS_AMX_FLOAT void group_rows(const uint8_t* rec, int64_t KB, const Interleaved
     } else {
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 512)));
       const int32_t* a128 = x.asum128 + kb * x.M + m0;
+#pragma GCC unroll 16
       for (int i = 0; i < MC; ++i) {
         // the weights are stored as q + 128: take 128 * sum a back
         const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(cb + 16 * i), _mm512_set1_epi32(a128[i]));
@@ -189,6 +216,7 @@ TAPS_AMX_FLOAT void group_rows(const uint8_t* rec, int64_t KB, const Interleaved
       }
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < MC; ++i) _mm512_mask_storeu_ps(y + i * ldy, store, acc[i]);
 }
 
