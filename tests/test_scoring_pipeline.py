@@ -9,7 +9,8 @@ from helpers import hf_greedy
 from taps.models.drafter import DFlashConfig, DFlashDrafter
 from taps.decode.latency import round_seconds
 from taps.scoring.eval_scorer import evaluate_scorer, reliability
-from taps.decode.latency import T0_TIMING, drafter_key, get_table, isotonic, measure_draft_time, measure_latency
+from taps.decode.latency import (T0_TIMING, drafter_key, get_table, isotonic, kernels_build, measure_draft_time,
+                                 measure_latency)
 from taps.scoring.traces import accepted_mask, load_traces, split_by_prompt, stack_records, trace_prompt
 from taps.scoring.model import TapsScorer
 from taps.scoring.train_scorer import DEPTH_TABLE, edge_targets, train_scorer
@@ -231,6 +232,14 @@ def test_calibrate_table(models, tmp_path, monkeypatch):
         assert get_table(target, drafter, n_max=6)["drafter"] == drafter_key(drafter)
     finally:
         drafter.head_dtype = None
+    # a table measured with other compiled kernels: the whole table is measured again, with this build's mark
+    rec = json.loads(files[0].read_text())
+    assert rec["kernels_build"] == kernels_build()
+    rec["kernels_build"], rec["latency"] = "0" * 16, [5.0] * len(rec["latency"])
+    files[0].write_text(json.dumps(rec))
+    t5 = get_table(target, drafter, n_max=6)
+    assert t5["kernels_build"] == kernels_build() and t5["latency"] != [5.0] * 7
+    assert json.loads(files[0].read_text())["latency"] == t5["latency"]
 
 
 def test_draft_time_follows_a_target_step_each_time(models):

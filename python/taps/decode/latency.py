@@ -15,7 +15,8 @@ target step as decoding runs them (:func:`measure_draft_time`); each policy adds
 pool/score/select overhead on top. ``t0`` belongs to one drafter shape (:func:`drafter_key`: layers, width,
 body and head, block, draft vocabulary): :func:`get_table` re-measures it alone, in about a second, when a
 cached table was made with another drafter, so a faster drafter is never costed as the old one (the verify
-table, the slow part, depends on the target only).
+table, the slow part, depends on the target only). The whole table is measured again when the compiled kernels
+changed (:func:`kernels_build`): a faster kernel is a new cost curve, which an old table would misprice.
 
 Batch tables (``batch_sizes``, ``taps calibrate --batch-sizes``): for ``R`` rows, ``batch_latency[R][n]`` = seconds
 of one verify of ``R`` rows (prefixes of ``prefix_len`` tokens) holding ``n`` non-root nodes in total, spread as
@@ -27,6 +28,8 @@ training and evaluation code imports it from here.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import platform
@@ -88,6 +91,17 @@ def model_key(model) -> str:
     # the few-row kernel changes the verify cost per node count: its tables are kept apart
     linear = "-rowslinear" if any(isinstance(m, RowsLinear) for m in model.modules()) else ""
     return f"{name}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}-{dtype}{linear}"
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_build() -> str:
+    """The compiled extension's fingerprint (its file's sha256, 16 hex digits; ``"none"`` without it): a rebuilt
+    kernel may run at another speed, so a table keeps the build it was measured with."""
+    try:
+        from taps_kernels import _C
+    except ImportError:
+        return "none"
+    return hashlib.sha256(Path(_C.__file__).read_bytes()).hexdigest()[:16]
 
 
 def drafter_key(drafter) -> str:
@@ -183,7 +197,7 @@ def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int 
 
     Returns a dict: ``latency`` (``n_max + 1`` seconds, non-decreasing, index = non-root nodes),
     ``raw`` (``{n: median seconds}`` at the grid points), ``t0`` (seconds), ``t0_parts``, ``prefix_len``,
-    ``repeats``, ``machine``, ``model``, ``created``.
+    ``repeats``, ``machine``, ``model``, ``kernels_build``, ``created``.
     """
     from .verifier import make_verifier
 
@@ -225,7 +239,7 @@ def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int 
             "t0_parts": t0_parts, "drafter": drafter_key(drafter) if drafter is not None else None,
             "prefix_len": prefix_len, "repeats": repeats, "n_max": n_max,
             "machine": machine_key(device), "model": model_key(model), "device": str(device),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "kernels_build": kernels_build(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 @torch.inference_mode()
@@ -475,8 +489,8 @@ def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool
     """The cached table for this machine and model (``$TAPS_LATENCY`` or ``path`` overrides the cache
     location); measured now and cached when missing or shorter than ``n_max + 1``. A cached table whose
     ``t0`` was measured with another drafter (:func:`drafter_key`) or timed another way (:data:`T0_TIMING`) gets
-    ``t0`` re-measured and saved; an
-    explicit table (``path``/``$TAPS_LATENCY``) is used as it is."""
+    ``t0`` re-measured and saved, and one measured with other compiled kernels (:func:`kernels_build`) is measured
+    again; an explicit table (``path``/``$TAPS_LATENCY``) is used as it is."""
     path = path or os.environ.get("TAPS_LATENCY")
     device = next(model.parameters()).device
     p = Path(path) if path else cache_path(machine_key(device), model_key(model))
@@ -484,7 +498,7 @@ def get_table(model, drafter=None, n_max: int = 64, path=None, recalibrate: bool
         t = load_table(p)
         if path:
             return t
-        if len(t["latency"]) >= n_max + 1:
+        if len(t["latency"]) >= n_max + 1 and t.get("kernels_build") == kernels_build():
             if drafter is not None and (t.get("drafter") != drafter_key(drafter)
                                         or t.get("t0_parts", {}).get("timed") != T0_TIMING):
                 t["t0_parts"] = measure_draft_time(model, drafter, repeats=max(repeats, 5))
