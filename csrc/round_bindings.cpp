@@ -143,7 +143,8 @@ Proposal root_proposal(const at::Tensor& roots) {
 // the lookup (history [B,C] i64, lengths [B] i64, num_tokens, max_ngram, log_q [max_ngram+1] f32) or history None;
 // the throughput rule (max_nodes, table, plain_seconds, rows).
 // -> ([tokens [B,M] i64, parents [B,M] i32, depth [B,M] i32, num_nodes [B] i32, pool_index [B,M] i64,
-//      num_selected [B] i32, expected [B] f32, chain [B, 2+K] i64 (match length, chain nodes kept, the chain;
+//      num_selected [B] i32, expected [B] f32, chain [B, 3+K] i64 (match length, chain length, chain nodes kept,
+//      the chain;
 //      [B,0] without lookup)], [seconds of pool, scoring, lookup, selection]), M = max_nodes + 1. The seconds are
 //      host floats, not a tensor: reading them back is no device read.
 using RoundOut = std::pair<std::vector<at::Tensor>, std::vector<double>>;
@@ -248,10 +249,10 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
                        : root_proposal(roots);
   Clock::time_point t = Clock::now();
   const int64_t K = lookup ? num_tokens : 0;
-  at::Tensor chain, chain_nodes, ngram;
+  at::Tensor chain, chain_nodes, ngram, chain_len;
   if (lookup) {
     chain = at::empty({B, K}, at::kLong);
-    at::Tensor chain_len = at::empty({B}, at::kLong);
+    chain_len = at::empty({B}, at::kLong);
     ngram = at::empty({B}, at::kLong);
     taps::lookup_chain(hist.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B, hist.size(1), K, max_ngram,
                        chain.data_ptr<int64_t>(), chain_len.data_ptr<int64_t>(), ngram.data_ptr<int64_t>());
@@ -306,11 +307,11 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
                               static_cast<int32_t>(M), ot + b * M, op + b * M, od + b * M, new_of_old.data());
     on[b] = ns[b] + 1;
   }
-  at::Tensor aux = at::empty({B, lookup ? 2 + K : 0}, at::kLong);
-  if (lookup) {  // per row: match length, how many chain nodes the selection kept, the chain
+  at::Tensor aux = at::empty({B, lookup ? 3 + K : 0}, at::kLong);
+  if (lookup) {  // per row: match length, chain length, how many chain nodes the selection kept, the chain
     int64_t* a = aux.data_ptr<int64_t>();
     const int64_t *cn = chain_nodes.data_ptr<int64_t>(), *ch = chain.data_ptr<int64_t>(),
-                  *ng = ngram.data_ptr<int64_t>();
+                  *ng = ngram.data_ptr<int64_t>(), *cl = chain_len.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
       int64_t kept = 0;
       for (int64_t k = 0; k < K; ++k) {
@@ -322,9 +323,11 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
           }
         }
       }
-      a[b * (2 + K)] = ng[b];
-      a[b * (2 + K) + 1] = kept;
-      for (int64_t k = 0; k < K; ++k) a[b * (2 + K) + 2 + k] = ch[b * K + k];
+      int64_t* row = a + b * (3 + K);
+      row[0] = ng[b];
+      row[1] = cl[b];
+      row[2] = kept;
+      for (int64_t k = 0; k < K; ++k) row[3 + k] = ch[b * K + k];
     }
   }
   seconds[3] = since(t);
@@ -338,7 +341,7 @@ void register_round(py::module& m) {
   m.def("build_round", &build_round,
         "one round's tree: pool -> scorer reach -> lookup graft -> throughput rule -> re-index (see "
         "taps_kernels.ops.build) -> ([tokens, parents, depth, num_nodes, pool_index, num_selected, expected, chain "
-        "[B, 2+K] i64], [seconds of pool, scoring, lookup, selection])",
+        "[B, 3+K] i64], [seconds of pool, scoring, lookup, selection])",
         py::arg("root_tokens"), py::arg("depth_cap"), py::arg("draft_logits"), py::arg("vocab_ids"), py::arg("top_k"),
         py::arg("pool_size"), py::arg("weights"), py::arg("ln_eps"), py::arg("token_embeddings"),
         py::arg("drafter_hidden"), py::arg("history"), py::arg("lengths"), py::arg("num_tokens"),

@@ -145,7 +145,7 @@ def graft_chain_cpp(tree, log_reach: torch.Tensor, chain: torch.Tensor, chain_le
 @register("build_tree", "cpp")
 def build_tree_cpp(root_tokens, depth_cap, draft, scorer, token_embeddings, lookup, max_nodes: int,
                    table: torch.Tensor, plain_seconds: float, rows: int):
-    """Arguments as :func:`taps_kernels.reference.build.build_tree_reference` -> ``(Selection, chain [B, 2+K] int64 or
+    """Arguments as :func:`taps_kernels.reference.build.build_tree_reference` -> ``(Selection, chain [B, 3+K] int64 or
     None, {stage: seconds})``: the stages through the routines of their own ops, in one call."""
     from .layout import Selection
     from .ops.build import STAGES

@@ -73,7 +73,7 @@ def by_parts(roots, max_nodes, rule, draft, scorer, token_embeddings, lookup, de
     sel = tk.select_subtree(tree, log_reach, max_nodes, rule=rule)
     if lookup is not None:
         kept = ((nodes[:, :, None] == sel.pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)
-        chain_cols = torch.cat([ngram[:, None], kept[:, None], chain], 1)
+        chain_cols = torch.cat([ngram[:, None], chain_len[:, None], kept[:, None], chain], 1)
     return sel, chain_cols
 
 

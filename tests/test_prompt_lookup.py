@@ -214,15 +214,16 @@ def test_acceptance_counts_the_accepted_prefix_of_the_kept_chain():
     pol = taps_lookup_policy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
     est = pol.lookup.acceptance
     assert accepted_prefix([4, 5, 9], [4, 5, 6, 7]) == 2 and accepted_prefix([], [1]) == 0
-    # row 0 proposes chain 4 5 6 7 after a 2-token match with 3 chain nodes kept; row 1 kept none
+    # rows: match length, chain length, chain nodes kept, the chain. Row 0 proposes chain 4 5 6 7 after a 2-token
+    # match with 3 chain nodes kept; row 1 kept none
     start = ([1.0] * 4, [2.0] * 4)  # the prior's pseudo-counts
-    pol.observe_rows({0: None, 1: None}, {0: [2, 3, 4, 5, 6, 7], 1: [1, 0, 9, 9, 9, 9]})
+    pol.observe_rows({0: None, 1: None}, {0: [2, 4, 3, 4, 5, 6, 7], 1: [1, 4, 0, 9, 9, 9, 9]})
     assert (est.success, est.failure) == start
-    pol.observe_rows({0: [4, 5, 1], 1: [9, 9]}, {0: [3, 2, 1, 1, 0, 0], 1: [1, 0, 0, 0, 0, 0]})
+    pol.observe_rows({0: [4, 5, 1], 1: [9, 9]}, {0: [3, 2, 2, 1, 1, 0, 0], 1: [1, 4, 0, 0, 0, 0, 0]})
     # 2 of 3 kept chain tokens accepted, then one rejected
     assert est.success[2] == pytest.approx(0.9 + 2) and est.failure[2] == pytest.approx(1.8 + 1)
     assert est.success[1] == 1.0 and est.failure[1] == 2.0  # nothing kept: nothing learned
-    pol.observe_rows({0: [1, 1, 5]}, {0: [0, 0, 0, 0, 0, 0]})
+    pol.observe_rows({0: [1, 1, 5]}, {0: [0, 0, 0, 0, 0, 0, 0]})
     assert est.success[3] == pytest.approx(0.9 + 2) and est.failure[3] == pytest.approx(1.8)
     acc = ChainAcceptance(3)
     assert acc.rate(2) == pytest.approx(1 / 3)

@@ -73,8 +73,8 @@ class BuiltRound:
         selection: the tree to verify (``[B, max_nodes + 1]``, pool order kept, root first), ``pool_index``,
             ``num_selected`` and ``expected`` as :func:`select_subtree` with a :class:`ThroughputRule` gives them
             (pool indices refer to the pool with the chain grafted in).
-        chain: ``[B, 2 + K] int64`` per row: the match length, how many chain nodes the selection kept, the chain
-            (0 past its end); None without a lookup.
+        chain: ``[B, 3 + K] int64`` per row: the match length, the chain's length, how many chain nodes the
+            selection kept, the chain (0 past its end); None without a lookup.
         seconds: wall seconds per stage (:data:`STAGES`; 0 for a stage that did not run); the reference leaves it
             empty.
     """

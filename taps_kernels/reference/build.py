@@ -34,7 +34,7 @@ def chain_log_reach_reference(ngram: torch.Tensor, log_q: torch.Tensor, num_toke
 def build_tree_reference(root_tokens: torch.Tensor, depth_cap: Optional[torch.Tensor], draft, scorer,
                          token_embeddings: Optional[torch.Tensor], lookup, max_nodes: int, table: torch.Tensor,
                          plain_seconds: float, rows: int) -> Tuple[Selection, Optional[torch.Tensor], Dict[str, float]]:
-    """``(Selection with expected, chain [B, 2 + K] int64 or None, {})`` (no stage times); arguments as
+    """``(Selection with expected, chain [B, 3 + K] int64 or None, {})`` (no stage times); arguments as
     :func:`taps_kernels.build_tree` (``draft``: a :class:`~taps_kernels.ops.build.DraftProposal` or None, ``lookup``:
     a :class:`~taps_kernels.ops.build.LookupProposal` or None)."""
     B = root_tokens.shape[0]
@@ -63,5 +63,5 @@ def build_tree_reference(root_tokens: torch.Tensor, depth_cap: Optional[torch.Te
     sub = reindex_subtree_reference(tree.tokens, tree.parents, tree.depth, tree.num_nodes, pool_index, num_selected)
     if lookup is not None:
         kept = ((nodes[:, :, None] == pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)
-        chain_aux = torch.cat([ngram[:, None], kept[:, None], chain], 1)
+        chain_aux = torch.cat([ngram[:, None], chain_len[:, None], kept[:, None], chain], 1)
     return Selection(Tree(*sub), pool_index, num_selected, expected), chain_aux, {}

@@ -103,7 +103,8 @@ class ComposedPolicy(TreePolicy):
         if not isinstance(self.size, ThroughputSize) or not self.size.bound:
             return
         if self.gate is not None and expected is not None and sizes is not None and expected:
-            self.gate.record(self.size.rate_ratio(expected, sizes))
+            undrafted = self.lookup.undrafted_reach() if self.lookup is not None else None
+            self.gate.record(self.size.rate_ratio(expected, sizes, undrafted))
         self.size.observe_times(times)
 
     def observe_rows(self, accepted, aux) -> None:

@@ -1,23 +1,26 @@
-"""Draft gating: skip the drafter in rounds where speculation is predicted to lose to plain decoding.
+"""Draft gating: skip the drafter in rounds where drafting is predicted to lose to decoding without it.
 
 The throughput rule sizes each tree for expected tokens per second, but the drafter pass and the pool
 are paid before any tree exists: when even the best tree's expected rate is below one token per plain
 (root-only) round, the round would have been faster without drafting at all. Acceptance is strongly
 autocorrelated (boilerplate code drafts well for many rounds, free prose drafts badly), so recent drafted
 rounds predict the next one. When the running mean of their log rate ratio (below) turns negative, the
-next ``skip`` rounds verify the root alone (what autoregressive decoding does; the drafter still reads
-their target features, so its context stays complete), then one round drafts again as a probe. ``skip``
+next ``skip`` rounds run without the drafter (the root alone, as autoregressive decoding does, or the lookup
+chain of a policy that has one; the drafter still reads their target features, so its context stays complete), then one round drafts again as a probe. ``skip``
 doubles after each losing probe up to ``max_skip`` and falls back to 1 once the mean is back above zero
 (exponential backoff).
 
-A drafted round's rate ratio is ``E / (t0 + overhead + latency[n])`` over ``1 / (latency[0] + t_context)``,
+A drafted round's rate ratio is ``E / (t0 + overhead + latency[n])`` over the best rate without the drafter: a
+plain round's ``1 / (latency[0] + t_context)``, or, for a policy that also looks up, the best lookup round the
+chain's measured acceptance predicts (:meth:`.sizing.ThroughputSize.undrafted_rate`),
 ``E = 1 + sum of the reach of its n verified nodes`` (a learned, calibrated reach for ``taps``; the
 drafter's marginal product for ``ddtree-cost``, which underestimates acceptance and so gates more often),
 costs from the same measured latency table the throughput rule uses (:mod:`taps.decode.latency`;
 :meth:`.sizing.ThroughputSize.rate_ratio`). A :class:`.composed.ComposedPolicy` with the throughput rule
 holds one :class:`DraftGate` for the whole batch.
 
-Losslessness is untouched: a skipped round is a root-only tree, verified like any other.
+Losslessness is untouched: a skipped round's tree (the root, or the root and its chain) is verified like any
+other.
 """
 from __future__ import annotations
 

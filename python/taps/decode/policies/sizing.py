@@ -107,13 +107,30 @@ class ThroughputSize:
         sel = taps_kernels.select_subtree(tree, e, self.max_nodes, rule=rule, validate=IN_ROUND)
         return sel, BuiltTree(sel.tree, sel.expected, sel.num_selected.long())
 
-    def rate_ratio(self, expected, sizes) -> float:
-        """A drafted round's expected tokens per second over a plain round's (host floats of the round's read)."""
+    def rate_ratio(self, expected, sizes, undrafted=None) -> float:
+        """A drafted round's expected tokens per second (host floats of the round's read) over the best rate of a
+        round without the drafter (:meth:`undrafted_rate`)."""
         rows = len(expected)
         table = self.host_table(rows)
         k = min(int(sum(sizes)), len(table) - 1)
         rate = sum(expected) / (self.t0 + self.overhead.get() + table[k])
-        return rate * self.plain_seconds(rows) / rows
+        return rate / self.undrafted_rate(rows, undrafted)
+
+    def undrafted_rate(self, rows: int, undrafted=None) -> float:
+        """Expected tokens per second of ``rows`` rows in a round without the drafter: the plain round's ``rows /
+        t_plain``, or, with ``undrafted`` (per row, the reach of the nodes such a round proposes: the lookup
+        chain), the best over the first k of all those nodes by reach, ``(rows + sum r) / (t_plain + T[k] -
+        T[0])``. Without it a policy that also looks up would weigh its drafted rounds against plain ones, which
+        its lookup rounds beat: the gate would keep drafting where the chain alone is faster."""
+        table = self.host_table(rows)
+        plain = self.plain_seconds(rows)
+        best = total = float(rows)
+        best /= plain
+        reach = sorted((r for row in undrafted or () for r in row), reverse=True)
+        for k, r in enumerate(reach[:len(table) - 1], 1):
+            total += r
+            best = max(best, total / (plain + table[k] - table[0]))
+        return best
 
     def observe_times(self, times) -> None:
         self.overhead.update(sum(times.get(k, 0.0) for k in self.OWN_STAGES))

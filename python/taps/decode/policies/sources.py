@@ -120,10 +120,11 @@ def history_of(name: str, history):
 
 @dataclass
 class Graft:
-    """One round's chains: ``ngram [B]`` match lengths, ``nodes [B, K]`` the pool node of each chain token (-1:
-    none), ``chain [B, K]`` the proposed tokens."""
+    """One round's chains: ``ngram [B]`` match lengths, ``length [B]`` chain lengths, ``nodes [B, K]`` the pool
+    node of each chain token (-1: none), ``chain [B, K]`` the proposed tokens."""
 
     ngram: torch.Tensor
+    length: torch.Tensor
     nodes: torch.Tensor
     chain: torch.Tensor
 
@@ -145,6 +146,7 @@ class LookupChain:
     def reset(self) -> None:
         self.acceptance = ChainAcceptance(self.max_ngram)
         self._chains: Dict[int, List[int]] = {}
+        self._round: Dict[int, List[int]] = {}
 
     def graft(self, name: str, tree: Tree, log_reach: torch.Tensor, history) -> Tuple[Tree, torch.Tensor, Graft]:
         """The pool ``tree``/``log_reach`` with each row's chain grafted in (``history=(tokens [B, C], lengths
@@ -153,7 +155,7 @@ class LookupChain:
         chain, chain_len, ngram = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram, validate=IN_ROUND)
         tree, log_reach, nodes = graft_chain(tree, log_reach, chain, chain_len,
                                              self.acceptance.log_reach(ngram, self.num_tokens), validate=IN_ROUND)
-        return tree, log_reach, Graft(ngram, nodes, chain)
+        return tree, log_reach, Graft(ngram, chain_len, nodes, chain)
 
     def proposal(self, name: str, history) -> LookupProposal:
         """This round's lookup as :func:`taps_kernels.build_tree` takes it (``history`` as in :meth:`graft`)."""
@@ -163,18 +165,28 @@ class LookupChain:
 
     @staticmethod
     def aux(graft: Graft, sel: Selection) -> torch.Tensor:
-        """``[B, 2 + K] int64`` (match length, chain nodes the selection kept, the chain): what
-        :meth:`observe_rows` needs back from the round's read."""
+        """``[B, 3 + K] int64`` (match length, chain length, chain nodes the selection kept, the chain): what
+        :meth:`observe_rows` and the draft gate need back from the round's read."""
         nodes = graft.nodes
         kept = ((nodes[:, :, None] == sel.pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)
-        return torch.cat([graft.ngram[:, None], kept[:, None], graft.chain], 1)
+        return torch.cat([graft.ngram[:, None], graft.length[:, None], kept[:, None], graft.chain], 1)
 
     def observe_rows(self, accepted: Dict[int, Optional[List[int]]], aux: Dict[int, List[int]]) -> None:
         """Record how much of each row's previous chain the target accepted; keep the chains verified next."""
         for b, verified in accepted.items():
             prev = self._chains.get(b)
-            if verified is not None and prev is not None and prev[1] > 0:
-                ngram, kept, chain = prev[0], prev[1], prev[2:2 + prev[1]]
+            if verified is not None and prev is not None and prev[2] > 0:
+                ngram, kept, chain = prev[0], prev[2], prev[3:3 + prev[2]]
                 a = accepted_prefix(verified, chain)
                 self.acceptance.record(ngram, a, a < kept)
         self._chains.update(aux)
+        self._round = aux
+
+    def undrafted_reach(self) -> List[List[float]]:
+        """Per row of the latest round (:meth:`observe_rows`'s ``aux``), the reach its chain's tokens have in a round
+        without the drafter: ``q_n ** (k + 1)`` for k below the chain's length (no match: none)."""
+        out = []
+        for row in self._round.values():
+            q = self.acceptance.rate(row[0]) if row[0] > 0 else 0.0
+            out.append([q ** (k + 1) for k in range(row[1])] if q > 0 else [])
+        return out
