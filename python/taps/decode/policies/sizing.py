@@ -124,8 +124,8 @@ class ThroughputSize:
         its lookup rounds beat: the gate would keep drafting where the chain alone is faster."""
         table = self.host_table(rows)
         plain = self.plain_seconds(rows)
-        best = total = float(rows)
-        best /= plain
+        total = float(rows)
+        best = total / plain
         reach = sorted((r for row in undrafted or () for r in row), reverse=True)
         for k, r in enumerate(reach[:len(table) - 1], 1):
             total += r
