@@ -11,8 +11,13 @@
 // as the plain loop) gives the same bits as the plain loop and the VNNI path, whatever the row count.
 //
 // Lanes are output rows: one 256-bit register holds 8 of a packed group's 16 rows, so a group runs as two
-// halves of 8 rows each, reading the half of every 64-byte line that holds its rows.
+// halves of 8 rows each, reading the half of every 64-byte line that holds its rows. The rows of x come
+// block-interleaved and in row and group blocks, with records prefetched ahead, as on the VNNI path
+// (gguf_linear_interleave.h). Per row and half block (256 multiply-adds) the Q4_1 loop issues ~36 vector
+// operations on Zen 3's four vector pipes (llvm-mca -mcpu=znver3: 9.2 cycles; measured 10-13), so that count
+// is what bounds it from a few rows on.
 #include "gguf_linear.h"
+#include "gguf_linear_interleave.h"
 
 #include <algorithm>
 #include <cmath>
@@ -48,14 +53,6 @@ TAPS_AVX2 inline __m256i broadcast_dword(const int8_t* p) {
   return _mm256_set1_epi32(*reinterpret_cast<const dword*>(p));
 }
 
-// Rows act[c] (c < MC) of x, over the 8 output rows of half `half` of one packed group; `live` of them exist.
-struct RowChunk {
-  const int8_t* act[4];
-  const float* scale[4];
-  const int32_t* asum[4];
-  float* y[4];
-};
-
 TAPS_AVX2 inline void store_live(float* y, __m256 v, int live) {
   if (live >= 8) {
     _mm256_storeu_ps(y, v);
@@ -65,67 +62,80 @@ TAPS_AVX2 inline void store_live(float* y, __m256 v, int live) {
   }
 }
 
+// Keeps v in a register at this point of the program. Without it GCC hoists every vpmaddubsw of a block above
+// the adds (integer adds reassociate) and spills their products and the accumulators to the stack: at 4 rows
+// the loop then made ~100 stack accesses a block.
+#define TAPS_KEEP(v) asm volatile("" : "+x"(v))
+
+// Rows m0 .. m0 + MC of x (interleaved) over the 8 output rows of half `half` of one packed group; `live` of them
+// exist. The steps over a block's 4 dwords go across the rows first, so MC independent add chains overlap.
 template <int MC>
-TAPS_AVX2 void half_group_q4_1(const uint8_t* rec, int64_t KB, const RowChunk& x, int half, int live) {
-  const int64_t rb = record_bytes(BlockType::Q4_1);
+TAPS_AVX2 void half_group_q4_1(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, int half,
+                               float* y, int64_t ldy, int live) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* act = x.act + m0 * kBlock;
+  const float* meta = x.meta + m0 * 2;
+  const int64_t astride = x.M * kBlock, mstride = x.M * 2;
   __m256 acc[MC];
   for (int c = 0; c < MC; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t kb = 0; kb < KB; ++kb, rec += rb) {
+  for (int64_t kb = 0; kb < KB; ++kb, rec += kQ41Record, act += astride, meta += mstride) {
+    if (half == 0) prefetch_record_ahead(rec, kQ41Record);  // half 1 reads what half 0 brought in
     __m256i s16[MC];
-    for (int c = 0; c < MC; ++c) s16[c] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * half));
       const __m256i wl = _mm256_and_si256(p, low);
       const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
       for (int c = 0; c < MC; ++c) {
-        const int8_t* a = x.act[c] + kb * kBlock;
-        s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(wl, broadcast_dword(a + 4 * j)));
-        s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(wh, broadcast_dword(a + 16 + 4 * j)));
+        const __m256i lo = _mm256_maddubs_epi16(wl, broadcast_dword(act + c * kBlock + 4 * j));
+        const __m256i hi = _mm256_maddubs_epi16(wh, broadcast_dword(act + c * kBlock + 16 + 4 * j));
+        s16[c] = j == 0 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi16(s16[c], _mm256_add_epi16(lo, hi));
+        TAPS_KEEP(s16[c]);
       }
     }
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * half)));
     const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * half)));
     for (int c = 0; c < MC; ++c) {
-      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[c], ones));
-      const __m256 blk = _mm256_add_ps(_mm256_mul_ps(dv, isum),
-                                       _mm256_mul_ps(mv, _mm256_set1_ps(static_cast<float>(x.asum[c][kb]))));
-      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(blk, _mm256_set1_ps(x.scale[c][kb])));
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[c], _mm256_set1_epi16(1)));
+      const __m256 blk = _mm256_add_ps(_mm256_mul_ps(dv, isum), _mm256_mul_ps(mv, _mm256_set1_ps(meta[2 * c + 1])));
+      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(blk, _mm256_set1_ps(meta[2 * c])));
     }
   }
-  for (int c = 0; c < MC; ++c) store_live(x.y[c] + 8 * half, acc[c], live);
+  for (int c = 0; c < MC; ++c) store_live(y + c * ldy + 8 * half, acc[c], live);
 }
 
 template <int MC>
-TAPS_AVX2 void half_group_q8_0(const uint8_t* rec, int64_t KB, const RowChunk& x, int half, int live) {
-  const int64_t rb = record_bytes(BlockType::Q8_0);
+TAPS_AVX2 void half_group_q8_0(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, int half,
+                               float* y, int64_t ldy, int live) {
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* act = x.act + m0 * kBlock;
+  const float* meta = x.meta + m0 * 2;
+  const int64_t astride = x.M * kBlock, mstride = x.M * 2;
   __m256 acc[MC];
   for (int c = 0; c < MC; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t kb = 0; kb < KB; ++kb, rec += rb) {
+  for (int64_t kb = 0; kb < KB; ++kb, rec += kQ80Record, act += astride, meta += mstride) {
+    if (half == 0) prefetch_record_ahead(rec, kQ80Record);
     __m256i s32[MC];
-    for (int c = 0; c < MC; ++c) s32[c] = _mm256_setzero_si256();
     for (int t = 0; t < 8; ++t) {
-      const __m256i q = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * t + 32 * half)), bias);
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * t + 32 * half));
+      const __m256i q = _mm256_xor_si256(raw, bias);
       const __m256i mag = _mm256_sign_epi8(q, q);  // |q| as unsigned bytes (128 for -128)
       for (int c = 0; c < MC; ++c) {
-        const __m256i signed_a = _mm256_sign_epi8(broadcast_dword(x.act[c] + kb * kBlock + 4 * t), q);
-        s32[c] = _mm256_add_epi32(s32[c], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, signed_a), ones));
+        const __m256i signed_a = _mm256_sign_epi8(broadcast_dword(act + c * kBlock + 4 * t), q);
+        const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, signed_a), _mm256_set1_epi16(1));
+        s32[c] = t == 0 ? pairs : _mm256_add_epi32(s32[c], pairs);
+        TAPS_KEEP(s32[c]);
       }
     }
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * half)));
     for (int c = 0; c < MC; ++c) {
       const __m256 blk = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(s32[c]));
-      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(blk, _mm256_set1_ps(x.scale[c][kb])));
+      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(blk, _mm256_set1_ps(meta[2 * c])));
     }
   }
-  for (int c = 0; c < MC; ++c) store_live(x.y[c] + 8 * half, acc[c], live);
+  for (int c = 0; c < MC; ++c) store_live(y + c * ldy + 8 * half, acc[c], live);
 }
 
-using HalfFn = void (*)(const uint8_t*, int64_t, const RowChunk&, int, int);
+using HalfFn = void (*)(const uint8_t*, int64_t, const Interleaved&, int64_t, int, float*, int64_t, int);
 
 // Up to 4 rows at a time: 4 block sums + 4 accumulators + the weights and constants in the 16 registers.
 constexpr int kRowChunk = 4;
@@ -188,24 +198,19 @@ TAPS_AVX2 void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N,
                                             half_group_q8_0<4>};
   const HalfFn* fns = t == BlockType::Q4_1 ? q41 : q80;
   const int64_t KB = K / kBlock, rec = record_bytes(t);
-  for (int64_t g = g0; g < g1; ++g) {
+  const Interleaved x = interleave_activations(a, scale, asum, M, K);
+  for_each_block(g0, g1, M, [&](int64_t g, int64_t m0, int64_t m1) {
     const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
     const uint8_t* grec = packed + g * KB * rec;
-    for (int64_t m = 0, mc = 0; m < M; m += mc) {
-      const int64_t left = M - m, chunks = (left + kRowChunk - 1) / kRowChunk;
+    for (int64_t m = m0, mc = 0; m < m1; m += mc) {
+      const int64_t left = m1 - m, chunks = (left + kRowChunk - 1) / kRowChunk;
       mc = (left + chunks - 1) / chunks;
-      RowChunk x{};
-      for (int64_t c = 0; c < mc; ++c) {
-        x.act[c] = a + (m + c) * K;
-        x.scale[c] = scale + (m + c) * KB;
-        x.asum[c] = asum + (m + c) * KB;
-        x.y[c] = y + (m + c) * ldy + g * kGroupRows;
-      }
       for (int half = 0; half < 2 && 8 * half < live; ++half) {
-        fns[mc](grec, KB, x, half, static_cast<int>(std::min<int64_t>(8, live - 8 * half)));
+        fns[mc](grec, KB, x, m, half, y + m * ldy + g * kGroupRows, ldy,
+                static_cast<int>(std::min<int64_t>(8, live - 8 * half)));
       }
     }
-  }
+  });
 }
 #else
 void quantize_activations_avx2(const float*, int64_t, int64_t, int8_t*, float*, int32_t*) {

@@ -82,13 +82,17 @@ TAPS_AVX2 inline __m256 transpose_sum8(const __m256* v) {
 TAPS_AVX2 float softmax_scores(float* s, int64_t nv) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 mx = ninf;
-  for (int64_t t = 0; t < nv; t += 8) {
-    const __m256i k = first_lanes(std::min<int64_t>(8, nv - t));
-    mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + t, k), _mm256_castsi256_ps(k)));
+  int64_t full = 0;
+  for (; full + 8 <= nv; full += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + full));
+  if (full < nv) {
+    const __m256i k = first_lanes(nv - full);
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + full, k), _mm256_castsi256_ps(k)));
   }
   const __m256 m = _mm256_set1_ps(hmax8(mx));
-  for (int64_t t = 0; t < nv; t += 8) {
-    const __m256i k = first_lanes(std::min<int64_t>(8, nv - t));
+  int64_t t = 0;
+  for (; t + 8 <= nv; t += 8) _mm256_storeu_ps(s + t, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), m)));
+  if (t < nv) {
+    const __m256i k = first_lanes(nv - t);
     _mm256_maskstore_ps(s + t, k, exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + t, k), m)));
   }
   return 1.0f / sum_fixed(s, nv);
@@ -101,41 +105,72 @@ TAPS_AVX2 inline __m256 load8(const uint16_t* p) {
 }
 
 // Attention of one query row for the G query heads of one KV head (head_dim = 8 * DC; cache elements T: float,
-// or uint16_t holding float16); gguf_row_ops.h. Head by head (the AVX-512 set's registers do not fit in 16):
-// dots by FMA over the 8-lane chunks, 8 keys reduced by one transpose, the softmax in slot-sequence order, the
-// value sum in that order.
+// or uint16_t holding float16); gguf_row_ops.h. Each head's dots by FMA over the 8-lane chunks in chunk order, 8
+// keys reduced by one transpose, the softmax in slot-sequence order, the value sums in that order. Every key or
+// value chunk is widened once for all G heads (per head, the vcvtph2ps were as many as the FMAs): the dots run
+// KeyStep keys at a time with the G heads' sums of those keys in registers, the value sums SliceChunks chunks at
+// a time for all heads. Only the loop nesting differs from a head-by-head loop, not any sum's order or bits.
 template <int G, int DC, typename T>
 TAPS_AVX2 void attend_row(const float* q, const void* Kv, const void* Vv, const int64_t* vis, int64_t nv,
                           float scale, float* scores, float* out) {
   constexpr int64_t D = 8 * DC;
+  // 16 registers: G * KeyStep sums + KeyStep widened chunks; G * SliceChunks sums + G weights + 1 value chunk
+  constexpr int KeyStep = G <= 3 ? 4 : (G <= 7 ? 2 : 1);
+  constexpr int SliceChunks = std::max(1, std::min(DC, (15 - G) / G));
   const T* K = static_cast<const T*>(Kv);
   const T* V = static_cast<const T*>(Vv);
-  for (int g = 0; g < G; ++g) {
-    __m256 qv[DC];
-    for (int c = 0; c < DC; ++c) qv[c] = _mm256_loadu_ps(q + g * D + 8 * c);
-    float* sg = scores + g * nv;
-    for (int64_t t0 = 0; t0 < nv; t0 += 8) {
-      const int64_t tn = std::min<int64_t>(8, nv - t0);
-      __m256 part[8];
-      for (int64_t t = 0; t < 8; ++t) {
-        __m256 acc = _mm256_setzero_ps();
-        if (t < tn) {
-          const T* k = K + vis[t0 + t] * D;
-          for (int c = 0; c < DC; ++c) acc = _mm256_fmadd_ps(qv[c], load8(k + 8 * c), acc);
-        }
-        part[t] = acc;
+  for (int64_t t0 = 0; t0 < nv; t0 += 8) {
+    const int64_t tn = std::min<int64_t>(8, nv - t0);
+    __m256 part[G][8];
+    for (int64_t s = 0; s < 8; s += KeyStep) {
+      __m256 acc[G][KeyStep];
+      const T* k[KeyStep];
+      for (int t = 0; t < KeyStep; ++t) k[t] = s + t < tn ? K + vis[t0 + s + t] * D : nullptr;
+      for (int g = 0; g < G; ++g) {
+        for (int t = 0; t < KeyStep; ++t) acc[g][t] = _mm256_setzero_ps();
       }
-      _mm256_maskstore_ps(sg + t0, first_lanes(tn), _mm256_mul_ps(transpose_sum8(part), _mm256_set1_ps(scale)));
+      for (int c = 0; c < DC; ++c) {
+        for (int t = 0; t < KeyStep; ++t) {
+          if (k[t] == nullptr) continue;
+          const __m256 kc = load8(k[t] + 8 * c);
+          for (int g = 0; g < G; ++g) acc[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), kc, acc[g][t]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int t = 0; t < KeyStep; ++t) part[g][s + t] = acc[g][t];
+      }
     }
-    const __m256 inv = _mm256_set1_ps(softmax_scores(sg, nv));
-    __m256 acc[DC];
-    for (int c = 0; c < DC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+      const __m256 st = _mm256_mul_ps(transpose_sum8(part[g]), _mm256_set1_ps(scale));
+      if (tn == 8) {
+        _mm256_storeu_ps(scores + g * nv + t0, st);
+      } else {
+        _mm256_maskstore_ps(scores + g * nv + t0, first_lanes(tn), st);
+      }
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_scores(scores + g * nv, nv);
+  for (int c0 = 0; c0 < DC; c0 += SliceChunks) {
+    constexpr int CS = SliceChunks;
+    const int cn = std::min(CS, DC - c0);
+    __m256 acc[G][CS];
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < CS; ++c) acc[g][c] = _mm256_setzero_ps();
+    }
     for (int64_t t = 0; t < nv; ++t) {
-      const T* v = V + vis[t] * D;
-      const __m256 p = _mm256_set1_ps(sg[t]);
-      for (int c = 0; c < DC; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+      const T* v = V + vis[t] * D + 8 * c0;
+      for (int c = 0; c < CS; ++c) {
+        if (c >= cn) break;
+        const __m256 vc = load8(v + 8 * c);
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * nv + t]), vc, acc[g][c]);
+      }
     }
-    for (int c = 0; c < DC; ++c) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < cn; ++c) {
+        _mm256_storeu_ps(out + g * D + 8 * (c0 + c), _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+      }
+    }
   }
 }
 
