@@ -5,10 +5,11 @@
 // separate ATen passes cost ~0.5 ms a round, while one pass per row costs ~0.1 ms.
 //
 // Numerics: s = sum_i exp(x[i] - max) and t = sum_i exp(x[i] - max) * (x[i] - max), float32 terms summed in
-// float64 (8 lanes on AVX-512, in order in plain loops); lse = max + log(s) and logp[i] = x[i] - lse in float64,
-// rounded once; entropy = log(s) - t / s. They match the PyTorch reference (taps_kernels/reference/pool.py) to
-// float32 rounding, not bit for bit. The top-K (a threshold filter on AVX-512, topk_row in plain loops) orders
-// these log-probabilities exactly: larger first, equal values by smaller id.
+// float64 (8 lanes on AVX-512, the same lanes and order on AVX2, in order in plain loops); lse = max + log(s) and
+// logp[i] = x[i] - lse in float64, rounded once; entropy = log(s) - t / s. They match the PyTorch reference
+// (taps_kernels/reference/pool.py) to float32 rounding, not bit for bit. The top-K (a threshold filter on AVX-512
+// and AVX2, topk_row in plain loops) orders these log-probabilities exactly: larger first, equal values by smaller
+// id.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +36,7 @@ struct TopKStatsWorkspace {
 bool topk_stats_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
                     TopKStatsWorkspace& ws);
 
-// The plain-loop path on its own (what topk_stats_row runs without AVX-512); exposed for the unit test.
+// The plain-loop path on its own (what topk_stats_row runs without AVX-512 or AVX2); exposed for the unit test.
 bool topk_stats_row_scalar(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
                            TopKStatsWorkspace& ws);
 

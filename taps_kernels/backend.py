@@ -87,8 +87,8 @@ PREFERENCES: Dict[str, Preference] = {
     "accept_round": Preference(("cuda",), f"the CUDA walk and device ops, {_NO_SYNC}",
                                cpu_why="one C++ call for the walk, the committed tokens and the history append "
                                        "instead of the walk and about twenty torch ops"),
-    "greedy_tokens": Preference((), "torch's argmax", cpu_why="one AVX-512 pass per row (max, then the first equal "
-                                "entry): ~10x torch's last-dimension argmax here"),
+    "greedy_tokens": Preference((), "torch's argmax", cpu_why="one AVX-512 or AVX2 pass per row (max, then the first "
+                                "equal entry): ~10x torch's last-dimension argmax here"),
     "compact_kv": Preference(("cuda",), "one CUDA launch moves the accepted rows of every layer in place"),
     "score_edges": Preference(
         ("triton",), "the edge MLP spread over the GPU, then one program per tree normalises and propagates",
