@@ -21,6 +21,29 @@ inline bool candidate_before(const TopKCandidate& a, const TopKCandidate& b) {
   return a.value > b.value || (a.value == b.value && a.id < b.id);
 }
 
+// The threshold filters' buffer (log-probs lp and ids of n entries): sorts its best K (all of it when fewer) to its
+// front, best first when all_sorted, and returns how many.
+int64_t best_first(float* lp, int32_t* id, int64_t n, int32_t K, bool all_sorted, std::vector<TopKCandidate>& c) {
+  c.resize(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) c[j] = {lp[j], id[j]};
+  const auto kth = c.begin() + std::min<int64_t>(n, K);
+  if (all_sorted) std::partial_sort(c.begin(), kth, c.end(), candidate_before);
+  else std::nth_element(c.begin(), kth - 1, c.end(), candidate_before);
+  n = kth - c.begin();
+  for (int64_t j = 0; j < n; ++j) lp[j] = c[j].value, id[j] = c[j].id;
+  return n;
+}
+
+// The top-K of the buffer into vals / ids (K of them: every row has at least K entries).
+void take_best(float* lp, int32_t* id, int64_t n, int32_t K, float* vals, int64_t* ids,
+               std::vector<TopKCandidate>& c) {
+  best_first(lp, id, n, K, true, c);
+  for (int32_t k = 0; k < K; ++k) {
+    vals[k] = lp[k];
+    ids[k] = id[k];
+  }
+}
+
 // Writes logp and runs the top-K once s and t are known.
 void finish_row(const float* x, int64_t V, int32_t K, float mx, double s, double t, float* vals, int64_t* ids,
                 float* entropy, TopKStatsWorkspace& ws) {
@@ -89,17 +112,6 @@ TAPS_TOPK_AVX512 bool row_avx512(const float* x, int64_t V, int32_t K, float* va
   float* buf_lp = ws.logp.data();
   int32_t* buf_id = ws.ids.data();
   int64_t n = 0;
-  // sorts the buffer's best K (all of it when fewer) to its front, best first, and returns how many
-  auto best_first = [&](bool all_sorted) {
-    auto& c = ws.candidates;
-    c.resize(static_cast<size_t>(n));
-    for (int64_t j = 0; j < n; ++j) c[j] = {buf_lp[j], buf_id[j]};
-    const auto kth = c.begin() + std::min<int64_t>(n, K);
-    if (all_sorted) std::partial_sort(c.begin(), kth, c.end(), candidate_before);
-    else std::nth_element(c.begin(), kth - 1, c.end(), candidate_before);
-    n = kth - c.begin();
-    for (int64_t j = 0; j < n; ++j) buf_lp[j] = c[j].value, buf_id[j] = c[j].id;
-  };
   const __m512d vl = _mm512_set1_pd(lse);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 bound = _mm512_setzero_ps();
@@ -116,16 +128,12 @@ TAPS_TOPK_AVX512 bool row_avx512(const float* x, int64_t V, int32_t K, float* va
                                         keep, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i)))));
     n += __builtin_popcount(keep);
     if (n >= cap) {
-      best_first(false);
+      n = best_first(buf_lp, buf_id, n, K, false, ws.candidates);
       bound = _mm512_set1_ps(buf_lp[K - 1]);
       strict = true;
     }
   }
-  best_first(true);
-  for (int32_t k = 0; k < K; ++k) {
-    vals[k] = buf_lp[k];
-    ids[k] = buf_id[k];
-  }
+  take_best(buf_lp, buf_id, n, K, vals, ids, ws.candidates);
   return true;
 }
 
@@ -230,16 +238,6 @@ TAPS_TOPK_AVX2 bool row_avx2(const float* x, int64_t V, int32_t K, float* vals, 
   float* buf_lp = ws.logp.data();
   int32_t* buf_id = ws.ids.data();
   int64_t n = 0;
-  auto best_first = [&](bool all_sorted) {
-    auto& c = ws.candidates;
-    c.resize(static_cast<size_t>(n));
-    for (int64_t j = 0; j < n; ++j) c[j] = {buf_lp[j], buf_id[j]};
-    const auto kth = c.begin() + std::min<int64_t>(n, K);
-    if (all_sorted) std::partial_sort(c.begin(), kth, c.end(), candidate_before);
-    else std::nth_element(c.begin(), kth - 1, c.end(), candidate_before);
-    n = kth - c.begin();
-    for (int64_t j = 0; j < n; ++j) buf_lp[j] = c[j].value, buf_id[j] = c[j].id;
-  };
   const __m256d vl = _mm256_set1_pd(lse);
   __m256 bound = _mm256_setzero_ps();
   bool strict = false;
@@ -256,16 +254,12 @@ TAPS_TOPK_AVX2 bool row_avx2(const float* x, int64_t V, int32_t K, float* vals, 
       buf_id[n++] = static_cast<int32_t>(i + l);
     }
     if (n >= cap) {
-      best_first(false);
+      n = best_first(buf_lp, buf_id, n, K, false, ws.candidates);
       bound = _mm256_set1_ps(buf_lp[K - 1]);
       strict = true;
     }
   }
-  best_first(true);
-  for (int32_t k = 0; k < K; ++k) {
-    vals[k] = buf_lp[k];
-    ids[k] = buf_id[k];
-  }
+  take_best(buf_lp, buf_id, n, K, vals, ids, ws.candidates);
   return true;
 }
 
