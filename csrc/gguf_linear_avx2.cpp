@@ -13,7 +13,7 @@
 // Lanes are output rows: one 256-bit register holds 8 of a packed group's 16 rows, so a group runs as two
 // halves of 8 rows each, reading the half of every 64-byte line that holds its rows. The rows of x come
 // block-interleaved and in row and group blocks, with records prefetched ahead, as on the VNNI path
-// (gguf_linear_interleave.h). Per row and half block (256 multiply-adds) the Q4_1 loop issues ~36 vector
+// (gguf_linear_interleave.h). Per row and half block (256 multiply-adds) the Q4_1 loop runs ~36 vector
 // operations on Zen 3's four vector pipes (llvm-mca -mcpu=znver3: 9.2 cycles; measured 10-13), so that count
 // is what bounds it from a few rows on.
 #include "gguf_linear.h"
