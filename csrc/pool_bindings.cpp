@@ -178,6 +178,8 @@ at::Tensor propagate_reach(const at::Tensor& parents_in, const at::Tensor& edge_
 void register_pool(py::module& m) {
   m.def("argmax_rows", &argmax_rows, "logits [R,V] float32 -> [R] int64: first index of each row's largest (NaN "
         "largest), as torch.argmax", py::arg("logits"));
+  m.def("topk_rows_path", &taps::row_path_name, "the rows topk_stats and argmax_rows run: 'avx512', 'avx2' or "
+        "'scalar' (TAPS_GGUF_KERNELS=avx2|scalar asks for a slower one)");
   m.def("topk_stats", &topk_stats, "draft_logits [B,D,V] float, top_k -> [topk_logp, topk_ids, entropy, margin, topk_mass]",
         py::arg("draft_logits"), py::arg("top_k"));
   m.def("best_first_pool", &best_first_pool,

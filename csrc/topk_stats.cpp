@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 
 #include "simd_math.h"
 
@@ -297,6 +299,25 @@ bool avx2_available() { return false; }
 
 }  // namespace
 
+RowPath row_path() {
+  static const RowPath p = [] {
+    const char* env = std::getenv("TAPS_GGUF_KERNELS");  // as the GGUF kernels read it (gguf_linear.h)
+    const std::string want = env ? env : "";
+    if (want == "scalar") return RowPath::Scalar;
+    if (avx512_available() && want != "avx2") return RowPath::Avx512;
+    return avx2_available() ? RowPath::Avx2 : RowPath::Scalar;
+  }();
+  return p;
+}
+
+const char* row_path_name() {
+  switch (row_path()) {
+    case RowPath::Avx512: return "avx512";
+    case RowPath::Avx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
 bool topk_stats_row_scalar(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
                            TopKStatsWorkspace& ws) {
   float mx = -kInf;
@@ -318,9 +339,9 @@ bool topk_stats_row_scalar(const float* x, int64_t V, int32_t K, float* vals, in
 int64_t argmax_row(const float* x, int64_t V) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   float best;
-  if (avx512_available()) {
+  if (row_path() == RowPath::Avx512) {
     if (max_avx512(x, V, &best)) return first_equal_avx512(x, V, best);
-  } else if (avx2_available() && max_avx2(x, V, &best)) {
+  } else if (row_path() == RowPath::Avx2 && max_avx2(x, V, &best)) {
     return first_equal_avx2(x, V, best);
   }
 #endif
@@ -335,8 +356,8 @@ int64_t argmax_row(const float* x, int64_t V) {
 bool topk_stats_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
                     TopKStatsWorkspace& ws) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (avx512_available()) return row_avx512(x, V, K, vals, ids, entropy, ws);
-  if (avx2_available()) return row_avx2(x, V, K, vals, ids, entropy, ws);
+  if (row_path() == RowPath::Avx512) return row_avx512(x, V, K, vals, ids, entropy, ws);
+  if (row_path() == RowPath::Avx2) return row_avx2(x, V, K, vals, ids, entropy, ws);
 #endif
   return topk_stats_row_scalar(x, V, K, vals, ids, entropy, ws);
 }

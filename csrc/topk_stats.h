@@ -31,6 +31,13 @@ struct TopKStatsWorkspace {
   TopKWorkspace topk;
 };
 
+// The rows this process runs (topk_stats_row, argmax_row): AVX-512 where the CPU has it, else AVX2, else plain loops.
+// TAPS_GGUF_KERNELS=avx2 or =scalar asks for a slower set, as it does for the GGUF kernels, so that one CPU can
+// compare them (the AVX2 rows are built to give the AVX-512 rows' bits; tests/test_topk_rows.py).
+enum class RowPath { Scalar, Avx2, Avx512 };
+RowPath row_path();
+const char* row_path_name();  // "avx512", "avx2", "scalar"
+
 // x [V] float32 -> vals [K], ids [K] (top-K log-probs, descending), *entropy (nats), K in [1, V], V < 2^31.
 // Returns false (outputs unspecified) when the row holds a NaN or +inf, or only -inf.
 bool topk_stats_row(const float* x, int64_t V, int32_t K, float* vals, int64_t* ids, float* entropy,
