@@ -13,8 +13,8 @@ Each batch answers ``B`` prompts (a few code prompts of :mod:`taps.training.prom
 repeated to fill the batch), admitted together, so the time includes their prefill. The table gives the
 whole-batch rate in response tokens/s (what a shard of that batch size costs; ``tokens_per_s`` in the JSON
 counts prompt tokens too, as ``stats.jsonl`` of ``build-data`` does) and, for ``gguf``, the decode steps alone and
-the share of the time spent in prefill. The load average is recorded with the results: other processes on a shared
-machine slow every row.
+the shares of the time spent in prefill and in choosing tokens (the top-k and the argmax). The load average is
+recorded with the results: other processes on a shared machine slow every row.
 
 Prints the table and writes JSON (default ``bench/results/build_data_cpu.json``).
 """
@@ -89,6 +89,7 @@ def main(argv=None):
                          "tokens_per_s": round((resp + sum(map(len, prompts))) / el, 1),
                          "decode_tokens_per_s": round(st["decode_rows"] / st["decode_seconds"], 1),
                          "prefill_share": round(st["prefill_seconds"] / el, 3),
+                         "pick_share": round(st["pick_seconds"] / el, 3),
                          "prefill_tokens": st["prefill_rows"], "prompt_tokens": sum(map(len, prompts))})
             print(json.dumps(rows[-1]), flush=True)
     del gguf_target, kv_targets, gen
