@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 from . import peer_llamacpp
 from .progress import Progress
-from .suite import BlockPlan, hf_pld_name, hf_rows, run_block
+from .suite import BlockPlan, hf_pld_name, hf_rows, prefix_reuse_asked, run_block
 from .summary import best_ddtree, format_table
 from .sweep import (add_speedups, batch_row, format_batch_table, latency_note, make_batch_decoder, mark_identical,
                     rotated, row_from_single, run_batch)
@@ -90,6 +90,7 @@ class Harness:
                 "seed": args.seed, "scorer": portable_path(getattr(args, "scorer", None) or scorer_dir()),
                 "order": "AR first, then the other policies rotated by one per prompt",
                 "batch_sizes": self.batch_sizes, "hf_baseline": args.hf_baseline,
+                "prefix_reuse": prefix_reuse_asked(args) and target_format_of(self.model) == "gguf",
                 "hf_prompt_lookup": args.hf_prompt_lookup,
                 "latency_table": portable_path(os.environ["TAPS_LATENCY"]) if os.environ.get("TAPS_LATENCY")
                 else "$TAPS_CACHE/latency (per machine and model)",

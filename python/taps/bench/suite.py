@@ -21,7 +21,7 @@ def add_turn(rec: Dict, prompt_len: int, res, answer: str) -> None:
     st = res.stats
     rec["turns"].append({"prompt_len": prompt_len, "token_ids": res.token_ids, "text": answer,
                          "stop_reason": res.stop_reason, "seconds": st.total_s, "rounds": st.num_rounds,
-                         "tau": st.tau})
+                         "tau": st.tau, "prefix_reused": st.prefix_reused})
     rec["new_tokens"] += len(res.token_ids)
     rec["seconds"] += st.total_s
     rec["rounds"] += st.num_rounds
@@ -90,6 +90,11 @@ def hf_generate_item(model, tokenizer, item, max_new_tokens: int, stop_ids: List
     return out
 
 
+def prefix_reuse_asked(args) -> bool:
+    """``taps bench`` runs prompts on the rows earlier ones left unless ``--no-prefix-reuse``."""
+    return not getattr(args, "no_prefix_reuse", False)
+
+
 def build_decoders(model, tok, drafter, specs: List[str], sampling, args=None):
     """One batch-1 decoder per policy spec; ``args`` carries the policies' options (``--scorer``, ``--pool-size``)."""
     from taps.decode import SpeculativeDecoder
@@ -100,7 +105,8 @@ def build_decoders(model, tok, drafter, specs: List[str], sampling, args=None):
         policy = policy_from_options(s, args)
         try:
             # bind() runs here: a policy whose learned parts (scorer, latency table) are missing fails now
-            decoders[s] = SpeculativeDecoder(model, policy, drafter=drafter, sampling=sampling, stop_token_ids=stops)
+            decoders[s] = SpeculativeDecoder(model, policy, drafter=drafter, sampling=sampling, stop_token_ids=stops,
+                                             prefix_reuse=prefix_reuse_asked(args))
         except (FileNotFoundError, ValueError, KeyError, OSError) as e:
             raise BenchError(f"policy {s}: {str(e).strip().splitlines()[0]}") from None
     return decoders

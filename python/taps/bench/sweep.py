@@ -40,7 +40,7 @@ from taps.decode.policies import policy_from_options
 
 from . import BenchError
 from .progress import Progress
-from .suite import add_turn
+from .suite import add_turn, prefix_reuse_asked
 
 
 # --- one batch run --------------------------------------------------------------------------------------------------
@@ -51,7 +51,8 @@ def make_batch_decoder(model, tok, drafter, spec: str, batch_size: int, sampling
     policy = policy_from_options(spec, args)
     try:
         return BatchDecoder(model, policy, drafter=drafter if policy.uses_drafter else None, sampling=sampling,
-                            stop_token_ids=stop_token_ids(tok, model), max_batch=batch_size)
+                            stop_token_ids=stop_token_ids(tok, model), max_batch=batch_size,
+                            prefix_reuse=prefix_reuse_asked(args))
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:
         raise BenchError(f"policy {spec}: {str(e).strip().splitlines()[0]}") from None
 

@@ -66,6 +66,10 @@ def _add_flags(p, suite: bool) -> None:
                         "llama-bench decode, llama-completion --no-repack, llama-lookup; build it with "
                         "scripts/build_llamacpp.sh)")
     p.add_argument("--warmup", type=int, default=1, help="short warm-up generations per policy (default 1)")
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="prefill every prompt whole (default: on the gguf format a prompt runs on top of the cache "
+                        "rows its policy's previous prompt left, from where they part: a turn's earlier turns, the "
+                        "system turn)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="run each policy with this many requests at once (batched decoder, continuous batching)")
     p.add_argument("--batch-sizes", default=None,

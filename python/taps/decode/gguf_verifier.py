@@ -7,7 +7,8 @@ other rows, and attention reduces over a row's visible keys in cache order. A tr
 same logits, bit for bit, as the same token decoded alone after its path was committed, so the tokens the
 loop accepts are the target's own greedy choices whatever tree was verified (tested with memcmp-exact
 comparisons in ``tests/test_gguf_forward.py``). A prefill is the same forward over the prompt as a chain:
-it leaves the cache that decoding the prompt token by token would.
+it leaves the cache that decoding the prompt token by token would, and so does a prefill in pieces (the loop runs
+a prompt on top of the rows an earlier request left: ``exact_prefix_reuse``).
 
 Hidden states: the forward returns the drafter's features directly (``[B, N, n*H]``, the outputs of
 ``feature_layer_ids``), so :meth:`GGUFVerifier.features` only picks rows.
@@ -45,6 +46,9 @@ class GGUFVerifier(CacheVerifier):
     """Owns a :class:`GGUFTarget`'s KV cache (``[max_batch, H_kv, capacity, Dh]`` of ``target.kv_dtype`` per
     layer) for up to ``max_batch`` rows; see :class:`CacheVerifier` for the interface."""
 
+    #: a prefill in pieces leaves the bits of a whole one, and a tree node's row those of plain decoding
+    exact_prefix_reuse = True
+
     def __init__(self, target, feature_layer_ids: Optional[Sequence[int]] = None, max_batch: int = 1):
         cfg = target.config
         self.model = target
@@ -70,13 +74,17 @@ class GGUFVerifier(CacheVerifier):
         return logits, (feats if self.feature_layer_ids is not None else None)
 
     @torch.inference_mode()
-    def prefill_row(self, row: int, prompt_ids: Sequence[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).view(1, -1)
-        T = ids.shape[1]
+    def prefill_row(self, row: int, prompt_ids: Sequence[int], start: int = 0) -> Tuple[torch.Tensor,
+                                                                                         Optional[torch.Tensor]]:
+        T = len(prompt_ids)
+        if not 0 <= start < T:
+            raise ValueError(f"start: expected 0 <= start < {T} (the prompt's length), received {start}")
+        ids = torch.as_tensor(list(prompt_ids[start:]), dtype=torch.int64).view(1, -1)
+        n = T - start
         self.reserve(T + 1)
-        logits, feats = self._forward(ids, torch.arange(T, dtype=torch.int64)[None], torch.zeros(1, dtype=torch.int64),
-                                      torch.tensor([int(row)], dtype=torch.int64), chain_bits(T),
-                                      torch.tensor([T - 1], dtype=torch.int64))
+        as_one = lambda v: torch.tensor([int(v)], dtype=torch.int64)  # noqa: E731
+        logits, feats = self._forward(ids, torch.arange(start, T, dtype=torch.int64)[None], as_one(start), as_one(row),
+                                      chain_bits(n), as_one(n - 1))
         self.lengths[row] = T
         self.host_lengths[row] = T
         return logits[0], feats

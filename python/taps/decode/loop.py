@@ -26,6 +26,13 @@ request leaves its row between rounds; a queued request joins a free row between
 alone into it (no other row is recomputed). Rounds run the rows ``[0, B)`` with ``B`` = highest busy row + 1;
 idle rows inside that range verify a root-only tree and keep nothing.
 
+Prefix reuse. Where the verifier's cache rows are the bits a prefill would write (``exact_prefix_reuse``: the
+GGUF forward), a finished request leaves its tokens' cache rows and drafter context in its row, and the next
+prompt admitted there runs only what follows the longest common prefix with them (the chat template's system
+turn of every prompt; a conversation's earlier turns and answers). What a row holds is forgotten when a round
+runs with the row idle (its cache rows past length 0 are written then) or the buffers are made anew. The output
+is unchanged by construction: the kept rows are those a prefill of the same tokens leaves.
+
 A round that raises restores every row's target cache length, drafter state and pending tree before the
 exception propagates (rows below a length are never written by a round, so restoring the lengths restores
 the caches).
@@ -133,12 +140,14 @@ class BatchDecoder:
         static_shapes: verify every round at the policy's full tree width (fixed shapes for CUDA graphs)
             instead of the batch's largest real tree; default: False.
         max_requests: most requests one :meth:`generate_batch` call (or the queue) takes (None: no limit).
+        prefix_reuse: run a prompt on top of the cache rows an earlier request left in the row where they
+            start it (module docstring; only where the verifier's ``exact_prefix_reuse``); default: True.
     """
 
     def __init__(self, target, policy: TreePolicy, drafter=None, sampling: Optional[SamplingConfig] = None,
                  stop_token_ids: Iterable[int] = (), max_context: Optional[int] = None,
                  max_batch: int = DEFAULT_MAX_BATCH, attention: str = "auto", profile: bool = False,
-                 static_shapes: bool = False, max_requests: Optional[int] = None):
+                 static_shapes: bool = False, max_requests: Optional[int] = None, prefix_reuse: bool = True):
         if policy.uses_drafter and drafter is None:
             raise GenerationError(f"drafter: policy {policy.name!r} needs a drafter, received None")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -183,6 +192,9 @@ class BatchDecoder:
         # which rows run, on the device: set between rounds, so a round copies nothing from the host
         self._active = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
         self.round_hook = None  # test seam: called inside every round after verify
+        self.prefix_reuse = bool(prefix_reuse) and self.verifier.exact_prefix_reuse
+        # per free row: (tokens whose cache rows and drafter context it still holds, verifier.buffers_made then)
+        self._kept: List[Optional[tuple]] = [None] * max_batch
         self.reset()
 
     # --- requests ------------------------------------------------------------------------------------------------
@@ -193,6 +205,7 @@ class BatchDecoder:
         if self.drafter is not None:
             if self._state is None or self._state.batch_size != self.max_batch:
                 self._state = self.drafter.new_state(self.max_batch)
+                self._kept = [None] * self.max_batch
             else:  # keep the buffers: the lengths say what is valid
                 self._state.lengths.zero_()
                 self._state.set_host_lengths([0] * self.max_batch)
@@ -259,9 +272,22 @@ class BatchDecoder:
         done = []
         while self._queue and None in self._rows:
             rid, prompt, req = self._queue.pop(0)
-            self._start_row(self._rows.index(None), rid, prompt, req)
+            free = [b for b, r in enumerate(self._rows) if r is None]
+            self._start_row(max(free, key=lambda b: (self._reusable(b, prompt), -b)), rid, prompt, req)
             done.append(rid)
         return done
+
+    def _reusable(self, b: int, prompt: List[int]) -> int:
+        """Leading tokens of ``prompt`` whose cache rows free row ``b`` still holds (at most all but the last: its
+        logits choose the first token)."""
+        kept = self._kept[b]
+        if kept is None or kept[1] != self.verifier.buffers_made:
+            return 0
+        tokens, n = kept[0], min(len(kept[0]), len(prompt) - 1)
+        i = 0
+        while i < n and tokens[i] == prompt[i]:
+            i += 1
+        return i
 
     @torch.inference_mode()
     def _start_row(self, b: int, rid: int, prompt: List[int], req: Request) -> None:
@@ -277,14 +303,17 @@ class BatchDecoder:
         self.verifier.reserve(len(prompt) + max_new + self._tree_width() + 1)
         if self._history is not None:
             self._history.reserve(len(prompt) + max_new + self._max_depth + 2)
-        logits, feats = self.verifier.prefill_row(b, prompt)
+        keep = self._reusable(b, prompt)
+        self._kept[b] = None  # from here on the row is this request's
+        logits, feats = self.verifier.prefill_row(b, prompt, start=keep)
         if self.drafter is not None:
-            self.drafter.reset_row(self._state, b)
+            self.drafter.reset_row(self._state, b, keep)
             self.drafter.append_context(self._state, feats, rows=slice(b, b + 1))
         first = int(choose_tokens(logits.view(1, -1), self.sampling, gen)[0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         row.stats.prefill_s = time.perf_counter() - t0
+        row.stats.prefix_reused = keep
         row.extend([first])
         if self._history is not None:
             self._history.set_row(b, prompt + [first])
@@ -326,6 +355,11 @@ class BatchDecoder:
         self._results[row.rid] = GenerationResult(list(row.generated), row.stop_reason, row.stats)
         self._rows[b] = None
         self._active[b] = False
+        if self.prefix_reuse:  # its committed tokens' rows: the prompt and every generated token but the last
+            n = self.verifier.host_lengths[b]
+            if self._state is not None and self._state.host_lengths is not None:
+                n = min(n, self._state.host_lengths[b])
+            self._kept[b] = ((row.prompt + row.generated)[:n], self.verifier.buffers_made)
         self.verifier.reset_row(b)
         if self.drafter is not None:
             self.drafter.reset_row(self._state, b)
@@ -375,6 +409,9 @@ class BatchDecoder:
             raise RuntimeError("step: no request is running; submit() and admit() first")
         B = busy[-1] + 1
         rows = self._rows[:B]
+        for b in range(B):  # an idle row verifies a root in this round, over what it held
+            if rows[b] is None:
+                self._kept[b] = None
         # the batch's largest pending tree, idle rows included (the read reported every row's node count)
         width = self._pending.tokens.shape[1] if self.static_shapes else max(self._pending_nodes[:B])
         # between rounds, host side: room for this round's tree in every running row (never inside a round)
@@ -542,10 +579,10 @@ class SpeculativeDecoder(BatchDecoder):
 
     def __init__(self, target, policy: TreePolicy, drafter=None, sampling: Optional[SamplingConfig] = None,
                  stop_token_ids: Iterable[int] = (), max_context: Optional[int] = None, attention: str = "auto",
-                 profile: bool = False, static_shapes: bool = False):
+                 profile: bool = False, static_shapes: bool = False, prefix_reuse: bool = True):
         super().__init__(target, policy, drafter=drafter, sampling=sampling, stop_token_ids=stop_token_ids,
                          max_context=max_context, max_batch=1, attention=attention, profile=profile,
-                         static_shapes=static_shapes)
+                         static_shapes=static_shapes, prefix_reuse=prefix_reuse)
         self._rid: Optional[int] = None
 
     def start(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: Optional[int] = None) -> None:

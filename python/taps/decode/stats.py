@@ -38,6 +38,8 @@ class GenerationStats:
     """Whole call: prefill time, rounds, and aggregates over rounds."""
 
     prompt_len: int = 0
+    #: leading prompt tokens whose cache rows an earlier request of the same row had left (not recomputed)
+    prefix_reused: int = 0
     prefill_s: float = 0.0
     total_s: float = 0.0
     rounds: List[RoundStats] = field(default_factory=list)
@@ -65,7 +67,8 @@ class GenerationStats:
         return out
 
     def to_dict(self) -> dict:
-        return {"prompt_len": self.prompt_len, "prefill_s": self.prefill_s, "total_s": self.total_s,
+        return {"prompt_len": self.prompt_len, "prefix_reused": self.prefix_reused, "prefill_s": self.prefill_s,
+                "total_s": self.total_s,
                 "rounds": self.num_rounds, "tau": self.tau, "nodes_per_round": self.nodes_per_round,
                 "time_split": self.stage_totals(),
                 "accept_lens": [r.accept_len for r in self.rounds]}

@@ -105,6 +105,11 @@ class CacheVerifier:
     Subclasses run the forwards (:meth:`prefill_row`, :meth:`verify_batch`) and say how a forward's hidden
     states become drafter features (:meth:`features`)."""
 
+    #: Whether the cache rows a request leaves are the bits a prefill of the same tokens would write, so that a
+    #: later prompt starting with those tokens may run only its rest (:meth:`prefill_row` ``start``). True only
+    #: where every row's arithmetic is independent of how rows were batched (the GGUF forward).
+    exact_prefix_reuse = False
+
     def _init_cache(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                     feature_layer_ids: Optional[Sequence[int]], max_batch: int) -> None:
         self.feature_layer_ids = list(feature_layer_ids) if feature_layer_ids is not None else None
@@ -115,6 +120,8 @@ class CacheVerifier:
         self.values: List[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.host_lengths: List[int] = []
+        #: how many times the buffers were made anew (their rows lost): a kept prefix is valid within one
+        self.buffers_made = 0
         self.reset(max_batch, 0)
 
     # --- buffers --------------------------------------------------------------------------------------------
@@ -129,6 +136,7 @@ class CacheVerifier:
         reuse = self.keys and self.max_batch == int(max_batch) and self.capacity >= int(capacity)
         self.max_batch = int(max_batch)
         if not reuse:  # else the old buffers serve: the lengths alone say what is valid
+            self.buffers_made += 1
             shape = (self.max_batch, self.kv_heads, max(int(capacity), 1), self.head_dim)
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -169,10 +177,13 @@ class CacheVerifier:
         idx = path.clamp(min=0)[:, :, None].expand(-1, -1, feats.shape[-1])
         return feats.gather(1, idx)
 
-    def prefill_row(self, row: int, prompt_ids: Sequence[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def prefill_row(self, row: int, prompt_ids: Sequence[int], start: int = 0) -> Tuple[torch.Tensor,
+                                                                                         Optional[torch.Tensor]]:
         """Run one prompt alone into row ``row`` (other rows untouched, nothing recomputed).
 
-        Returns ``(logits [V] after the last prompt token, features [1, T, n*H] or None)``.
+        ``start``: the row's cache already holds ``prompt_ids[:start]`` at positions ``0 .. start-1`` (left by an
+        earlier request); only the rest runs, on top of them. Only where :attr:`exact_prefix_reuse` (else 0).
+        Returns ``(logits [V] after the last prompt token, features [1, T - start, n*H] or None)``.
         """
         raise NotImplementedError
 
@@ -312,7 +323,10 @@ class TargetVerifier(CacheVerifier):
     # --- forwards ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill_row(self, row: int, prompt_ids: Sequence[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def prefill_row(self, row: int, prompt_ids: Sequence[int], start: int = 0) -> Tuple[torch.Tensor,
+                                                                                         Optional[torch.Tensor]]:
+        if start:
+            raise ValueError(f"start: this verifier runs whole prompts (no exact prefix reuse), received {start}")
         ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).view(1, -1).to(self.device)
         T = ids.shape[1]
         self.reserve(T + 1)

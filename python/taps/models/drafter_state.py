@@ -162,12 +162,13 @@ class DrafterInference:
         state.set_host_lengths(want)
         return state
 
-    def reset_row(self, state: DFlashState, row: int) -> None:
-        """Empty one row (a request left; the next one starts from no context)."""
-        state.lengths[row] = 0
+    def reset_row(self, state: DFlashState, row: int, keep: int = 0) -> None:
+        """Empty one row (a request left; the next one starts from no context), or keep its first ``keep``
+        context rows (the caller knows they are the next request's: a prompt that starts as the last one did)."""
+        state.lengths[row] = int(keep)
         if state.host_lengths is not None:
             host = list(state.host_lengths)
-            host[row] = 0
+            host[row] = int(keep)
             state.set_host_lengths(host)
 
     @torch.no_grad()
