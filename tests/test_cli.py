@@ -108,6 +108,7 @@ def test_bench_summary_recomputed_from_records(assets, capsys, tmp_path):
     assert all(r["identical_to_ar"] for r in records)
     data = json.loads(out_json.read_text())
     assert data["config"]["scorer"].endswith("own_scorer")  # the record names the scorer asked for
+    assert data["config"]["prefix_reuse"] is False  # the transformers target prefills every prompt whole
     (run,) = data["runs"]
     assert run["temperature"] == 0.0 and run["prompts"] == 2 and not run["partial"]
     summary = run["policies"]
@@ -123,6 +124,9 @@ def test_bench_summary_recomputed_from_records(assets, capsys, tmp_path):
             assert s["tau"] == pytest.approx(sum(r["tau"] * r["rounds"] for r in recs) / rounds, rel=1e-9)
             assert {"draft", "verify", "accept", "compaction"} <= set(s["time_split_s"])
     assert summary["ar"]["speedup"] == 1.0 and summary["ar"]["nodes_per_round"] == 1.0
+    assert [p["prompt_tokens"] for p in summary["ar"]["per_prompt"]] == [sum(t["prompt_len"] for t in r["turns"])
+                                                                          for r in by["ar"]]
+    assert all(p["prefix_reused"] == 0 for p in summary["ar"]["per_prompt"])
     assert summary["ar"]["tau"] == 1.0 and summary["dflash"]["tau"] >= 1.0
     assert f"{1 / summary['hf']['speedup']:.3f}" in err  # the HF line prints the summary's own ratio
 
@@ -350,3 +354,14 @@ def test_progress_plain_line_without_tqdm(monkeypatch):
     quiet.write("only this")
     quiet.close()
     assert s.getvalue() == "only this\n"
+
+
+def test_report_says_what_prefix_reuse_skipped():
+    from taps.bench.run_report import prefix_reuse_note
+
+    runs = [{"policies": {"ar": {"per_prompt": [{"prompt_tokens": 1000, "prefix_reused": 400}]},
+                          "taps": {"per_prompt": [{"prompt_tokens": 1000, "prefix_reused": 9}]}}},
+            {"policies": {"ar": {"per_prompt": [{"prompt_tokens": 500, "prefix_reused": 0}]}}}]
+    assert prefix_reuse_note({"prefix_reuse": True}, runs).startswith(
+        "Prefix reuse: on: 400 of AR's 1,500 prompt tokens ran on cache rows an earlier prompt left")
+    assert prefix_reuse_note({}, runs) == "Prefix reuse: off (every prompt prefilled whole)."

@@ -351,6 +351,16 @@ def peer_table(data: dict) -> List[str]:
     return L + [""]
 
 
+def prefix_reuse_note(cfg: dict, runs: List[dict]) -> str:
+    """What the runs' prefills skipped: AR's prompt tokens that ran on cache rows an earlier prompt left."""
+    if not cfg.get("prefix_reuse"):
+        return "Prefix reuse: off (every prompt prefilled whole)."
+    per = [p for run in runs for p in run["policies"].get("ar", {}).get("per_prompt", []) if "prefix_reused" in p]
+    counts = (f": {sum(p['prefix_reused'] for p in per):,} of AR's {sum(p['prompt_tokens'] for p in per):,} prompt "
+              f"tokens ran on cache rows an earlier prompt left") if per else ""
+    return f"Prefix reuse: on{counts} (`--no-prefix-reuse` prefills every prompt whole)."
+
+
 def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results/taps_cpu",
                  scorer_metrics: Optional[str] = None, projection: Optional[str] = None,
                  notes: Optional[str] = None, replay: Optional[str] = None) -> List[Path]:
@@ -371,7 +381,8 @@ def write_report(bench_json, out_md, plot_prefix: Optional[str] = "bench/results
          f"Drafter: `{drafter_path}` (sha256 `{drafter.get('sha256')}`); "
          f"scorer: `{scorer}`; max new tokens per turn {cfg.get('max_new_tokens')}; MT-Bench turns "
          f"{cfg.get('mtbench_turns')}; wall {cfg.get('wall_s')} s. Speedup = AR time per token / policy time per "
-         "token, same harness, prompts interleaved across policies. tau counts the bonus token.", ""]
+         "token, same harness, prompts interleaved across policies. tau counts the bonus token. "
+         f"{prefix_reuse_note(cfg, data['runs'])}", ""]
     checks_all = []
     seen = Counter((r["dataset"], r["temperature"]) for r in data["runs"])
     for run in data["runs"]:

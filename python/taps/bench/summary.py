@@ -69,7 +69,9 @@ def block_summary(results):
         s["selection_overhead_ms_per_round"] = 1000 * sum(sp.get(k, 0.0) for k in BUILD_STAGES[1:]) / rounds
         s["stage_ms_per_round"] = {k: 1000 * v / rounds for k, v in sp.items() if k != "prefill"}
         s["per_prompt"] = [{"id": r["id"], "new_tokens": r["new_tokens"], "seconds": r["seconds"], "tau": r.get("tau"),
-                            "identical_to_ar": r["identical_to_ar"]} for r in recs]
+                            "identical_to_ar": r["identical_to_ar"],
+                            "prompt_tokens": sum(t.get("prompt_len", 0) for t in r.get("turns", ())),
+                            "prefix_reused": sum(t.get("prefix_reused", 0) for t in r.get("turns", ()))} for r in recs]
     return summary
 
 

@@ -200,7 +200,8 @@ class BatchDecoder:
     # --- requests ------------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Drop every request and empty the caches (a new batch starts; the policy's gate restarts)."""
+        """Drop every request and empty the caches (a new batch starts; the policy's gate restarts; what free rows
+        still hold stays for prefix reuse)."""
         self.verifier.reset(self.max_batch, 1)
         if self.drafter is not None:
             if self._state is None or self._state.batch_size != self.max_batch:
