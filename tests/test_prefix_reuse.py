@@ -129,3 +129,24 @@ def test_verifiers_without_exact_rows_never_reuse():
     assert dec.generate(prompt, 4).stats.prefix_reused == 0
     with pytest.raises(ValueError, match="start: this verifier runs whole prompts"):
         dec.verifier.prefill_row(0, prompt, start=2)
+
+
+@pytest.mark.parametrize("spec", ["ar", "ddtree:6"])
+def test_kept_rows_are_the_rows_a_whole_prefill_leaves(tiny, spec):
+    """The claim itself, bit for bit: after a second turn on the first turn's rows, the cache holds what a decoder
+    that prefilled the second prompt whole holds (the same tokens, so the same rows to the last one)."""
+    target, _ = tiny
+    rng = random.Random(6)
+    policy = make_policy(spec)
+    drafter = _tiny_drafter(target) if policy.uses_drafter else None
+    first = _tokens(rng, 8)
+    reuse = SpeculativeDecoder(target, policy, drafter=drafter)
+    second = first + reuse.generate(first, 10).token_ids + _tokens(rng, 3)
+    got = reuse.generate(second, 10)
+    whole = SpeculativeDecoder(target, make_policy(spec), drafter=drafter, prefix_reuse=False)
+    want = whole.generate(second, 10)
+    assert got.token_ids == want.token_ids and got.stats.prefix_reused > len(first)
+    n = len(second) + len(got.token_ids) - 1  # every token but the last went through the cache
+    for kept, fresh in zip(reuse.verifier.keys + reuse.verifier.values, whole.verifier.keys + whole.verifier.values):
+        assert torch.equal(kept[0, :, :n].view(torch.int16 if kept.dtype == torch.float16 else torch.int32),
+                           fresh[0, :, :n].view(torch.int16 if fresh.dtype == torch.float16 else torch.int32))
