@@ -25,6 +25,7 @@ def test_prompts_batched_print_one_line_per_prompt_in_order(assets, capsys, tmp_
         assert len(recs) == len(texts)
         assert [r["token_ids"] for r in recs] == single
         assert all({"token_ids", "text", "tau", "rounds"} <= set(r) for r in recs)
+        assert all(r["prefix_reused"] == 0 for r in recs)  # the transformers target prefills every prompt whole
 
 
 def test_backend_and_verbose(assets, capsys, monkeypatch):  # noqa: F811

@@ -94,7 +94,8 @@ def _explain(device) -> str:
 def _record(policy, ids, res, text) -> dict:
     st = res.stats
     tps = len(res.token_ids) / st.total_s if st.total_s > 0 else 0.0
-    return {"policy": policy.name, "prompt_len": len(ids), "token_ids": res.token_ids, "text": text,
+    return {"policy": policy.name, "prompt_len": len(ids), "prefix_reused": st.prefix_reused,
+            "token_ids": res.token_ids, "text": text,
             "stop_reason": res.stop_reason, "tau": st.tau, "rounds": st.num_rounds,
             "nodes_per_round": st.nodes_per_round, "seconds": st.total_s, "tokens_per_s": tps,
             "time_split": st.stage_totals()}
