@@ -351,6 +351,14 @@ bool vnni_available() {
 #endif
 }
 
+const std::string& kernels_requested() {
+  static const std::string want = [] {
+    const char* env = std::getenv("TAPS_GGUF_KERNELS");
+    return std::string(env ? env : "");
+  }();
+  return want;
+}
+
 KernelPath kernel_path() {
   static const KernelPath p = [] {
     const KernelPath best = amx_available()    ? KernelPath::Amx
@@ -358,8 +366,7 @@ KernelPath kernel_path() {
                             : avx2_available() ? KernelPath::Avx2
                                                : KernelPath::Scalar;
     // TAPS_GGUF_KERNELS names a slower path to run on a CPU that has a faster one (to test it there)
-    const char* env = std::getenv("TAPS_GGUF_KERNELS");
-    const std::string want = env ? env : "";
+    const std::string& want = kernels_requested();
     if (want == "scalar") return KernelPath::Scalar;
     if (want == "avx2" && best >= KernelPath::Vnni) return KernelPath::Avx2;
     if (want == "vnni" && best >= KernelPath::Vnni) return KernelPath::Vnni;

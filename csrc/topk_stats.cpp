@@ -3,10 +3,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <string>
 
+#include "gguf_linear.h"
 #include "simd_math.h"
 
 namespace taps {
@@ -301,8 +301,7 @@ bool avx2_available() { return false; }
 
 RowPath row_path() {
   static const RowPath p = [] {
-    const char* env = std::getenv("TAPS_GGUF_KERNELS");  // as the GGUF kernels read it (gguf_linear.h)
-    const std::string want = env ? env : "";
+    const std::string& want = gguf::kernels_requested();
     if (want == "scalar") return RowPath::Scalar;
     if (avx512_available() && want != "avx2") return RowPath::Avx512;
     return avx2_available() ? RowPath::Avx2 : RowPath::Scalar;
