@@ -85,15 +85,16 @@ def decide(pol, reaches, overhead=0.0):
 
 
 def test_verdict_uses_the_latency_table():
-    """A tree wins iff expected tokens / (t0 + overhead + latency[n]) >= 1 / (latency[0] + context)."""
+    """A tree wins iff expected tokens / (t0 + overhead + latency[n]) >= 1 / latency[0] (a plain round keeps its
+    context features: the drafted round's t0 pays their projection)."""
     pol = make("taps", True, slope=0.01)  # latency[n] = 0.05 + 0.01 n, t0 0.022, context 0.002
     pol.bind(tiny_target(0), tiny_drafter(0), torch.device("cpu"))
-    # plain round 0.052 s; both nodes are kept (reach > 0.01 / 0.052); the gate keeps smoothing x log(ratio)
+    # plain round 0.05 s; both nodes are kept (reach > 0.01 / 0.05); the gate keeps smoothing x log(ratio)
     for reaches, overhead in (([0.6, 0.5], 0.0), ([0.4, 0.3], 0.0), ([0.6, 0.5], 0.03)):
         pol.gate.reset()
         kept, built = decide(pol, reaches, overhead)
         assert len(kept) == 3 and built.expected.item() == pytest.approx(1 + sum(reaches), rel=1e-6)
-        ratio = (1 + sum(reaches)) * 0.052 / (0.022 + overhead + 0.07)
+        ratio = (1 + sum(reaches)) * 0.05 / (0.022 + overhead + 0.07)
         assert pol.gate.log_ratio == pytest.approx(pol.gate.smoothing * math.log(ratio), rel=1e-5)
 
 
@@ -110,24 +111,24 @@ def test_verdict_weighs_the_lookup_round_of_a_policy_that_looks_up():
     acc.success[2], acc.failure[2] = 9.0, 1.0  # q_2 = 0.9
     K = pol.lookup.num_tokens
     drafted = (1 + 0.6 + 0.5) / (0.022 + 0.07)
-    for aux, undrafted in (([0, 0, 0] + [0] * K, 1 / 0.052),  # no match: the plain round is the alternative
+    for aux, undrafted in (([0, 0, 0] + [0] * K, 1 / 0.05),  # no match: the plain round is the alternative
                            ([2, 4, 0] + [5, 6, 7, 8] + [0] * (K - 4),  # four chain tokens after a 2-token match
-                            max((1 + sum(0.9 ** (j + 1) for j in range(k))) / (0.052 + 0.01 * k) for k in range(5)))):
+                            max((1 + sum(0.9 ** (j + 1) for j in range(k))) / (0.05 + 0.01 * k) for k in range(5)))):
         pol.gate.reset()
         pol.observe_rows({0: None}, {0: aux})
         kept, _ = decide(pol, [0.6, 0.5])
         assert len(kept) == 3
         assert pol.gate.log_ratio == pytest.approx(pol.gate.smoothing * math.log(drafted / undrafted), rel=1e-5)
-    assert drafted * 0.052 > 1 > drafted / undrafted  # wins against a plain round, loses to the chain alone
+    assert drafted * 0.05 > 1 > drafted / undrafted  # wins against a plain round, loses to the chain alone
 
 
 @pytest.mark.parametrize("slope, kept", [(0.001, [0, 1, 2, 3, 4]), (0.01, [0, 1, 2, 3]), (0.03, [0, 1]),
                                          (0.1, [0])])
 def test_size_keeps_nodes_whose_reach_pays_for_their_verify_time(slope, kept):
-    """Long-run rule: node i is kept iff its reach >= (latency[i] - latency[i-1]) / plain round (0.05 + 0.002 s)."""
+    """Long-run rule: node i is kept iff its reach >= (latency[i] - latency[i-1]) / plain round (0.05 s)."""
     pol = make("ddtree-cost", False, slope=slope)
     pol.bind(tiny_target(0), tiny_drafter(0), torch.device("cpu"))
-    reaches = [0.9, 0.45, 0.25, 0.02]  # thresholds 0.0192 (slope 0.001), 0.192 (0.01), 0.577 (0.03), 1.92 (0.1)
+    reaches = [0.9, 0.45, 0.25, 0.03]  # thresholds 0.02 (slope 0.001), 0.2 (0.01), 0.6 (0.03), 2 (0.1)
     tokens, built = decide(pol, reaches)
     assert tokens == kept and built.tree.parents[0, 0].item() == -1
     assert built.tree.tokens.shape[1] == 9  # static width: max_nodes + 1
@@ -202,9 +203,9 @@ class CountingDrafter:
         return getattr(self.inner, name)
 
 
-def make(kind, gate, slope, context=0.002, t0=None):
+def make(kind, gate, slope, context=0.002, t0=None, step=0.05):
     # A steep table makes most trees lose to a plain round; a costly plain round makes every tree win.
-    latency = {"latency": [0.05 + slope * n for n in range(65)], "t0": 0.02 + context if t0 is None else t0,
+    latency = {"latency": [step + slope * n for n in range(65)], "t0": 0.02 + context if t0 is None else t0,
                "t0_parts": {"draft": 0.02, "context": context}}
     if kind == "taps":
         return taps_policy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency,
@@ -251,7 +252,8 @@ def test_gate_state_is_reset_between_generations():
 
 def test_winning_trees_never_gate():
     target, drafter = tiny_target(0), tiny_drafter(0)
-    pol = make("taps", True, slope=0.0, context=1.0, t0=0.0)  # a tree costs 0.05 s + overhead, a plain round 1.05
+    # a tree costs 1 s + its overhead, a plain round 1 s: every tree with some reach wins
+    pol = make("taps", True, slope=0.0, t0=0.0, step=1.0)
     res = SpeculativeDecoder(target, pol, drafter=drafter).generate([7, 8, 9], 20)
     assert all(r.drafted for r in res.stats.rounds[:-1])
 

@@ -289,10 +289,11 @@ T0_TIMING = "after a target step"
 def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeats: int = 3,
                        prefix_len: int = 256, seed: int = 0) -> Dict[str, object]:
     """``{"draft", "context", "draft_by_positions"}``: median seconds of one draft pass projecting all block
-    positions over a context of ``prefix_len`` tokens, of appending 4 accepted tokens' features to the
-    drafter's context, and ``[D]`` seconds of a pass projecting only positions ``1..P`` (index ``P-1``,
-    non-decreasing; what a policy with a depth cap pays). Prefills its own random prompt unless the caller's
-    verifier (``ver``, ``prompt [1, S]``, ``feats``) is given.
+    positions over a context of ``prefix_len`` tokens, of appending 4 accepted tokens' features to the drafter's
+    context and projecting them (what a drafted round pays; the rounds between drafts only keep them), and ``[D]``
+    seconds of a pass projecting only positions ``1..P`` (index ``P-1``, non-decreasing; what a policy with a depth
+    cap pays). Prefills its own random prompt unless the caller's verifier (``ver``, ``prompt [1, S]``, ``feats``)
+    is given.
 
     Each timed call follows a target step (a verify of the root), as in decoding, where a round's context update
     and draft come right after the previous round's verify: the target's weights have streamed through the
@@ -331,7 +332,7 @@ def measure_draft_time(model, drafter, ver=None, prompt=None, feats=None, repeat
             dt = timed(lambda: drafter.draft(state, bonus, embed, head, num_positions=P, full_vocab_logits=False))
             if r:
                 dts[P].append(dt)
-        ct = timed(lambda: drafter.append_context(state, feats[:, :4]))
+        ct = timed(lambda: drafter.flush_context(drafter.append_context(state, feats[:, :4])))
         drafter.rollback(state, prefix_len)
         if r:
             cts.append(ct)
@@ -464,9 +465,10 @@ class LatencyTable:
         return float(by_positions[i]) + float(parts.get("context", 0.0))
 
     def plain_round_seconds(self, rows: int = 1) -> float:
-        """Seconds of a plain (root-only, undrafted) round of ``rows`` rows: their verify plus the drafter's
-        context update."""
-        return self.seconds(rows, 0) + float((self.record.get("t0_parts") or {}).get("context", 0.0))
+        """Seconds of a plain (root-only, undrafted) round of ``rows`` rows: their verify. The drafter's context
+        update is not in it: such a round keeps its features, and the next drafted round projects them
+        (:meth:`round_seconds` counts it there)."""
+        return self.seconds(rows, 0)
 
 
 def round_seconds(latency, positions: Optional[int] = None) -> float:

@@ -12,6 +12,9 @@ joined), then builds the next ones::
     verify (tree_attention) -> choose target tokens -> accept_round (walk, committed tokens, history) -> ONE
     compact_kv call -> drafter context update -> [draft -> policy tree]  -> ONE packed read to the host
 
+The drafter's context update keeps the features; a round that drafts projects those of every round since the
+last draft in one call, so a round that does not draft never pays for the projection.
+
 Everything before the read stays on the device: position ids, masks, selection, acceptance, compaction,
 the drafter's context update and the next trees. The packed read carries, per row, the committed tokens,
 the accept length, the next tree's node count and the policy's statistics (expected tokens, chosen size);
@@ -385,6 +388,8 @@ class BatchDecoder:
             return self.policy.build(None, None, bonus, depth_cap, timer, rows, **extra)
         if not drafted:
             return BuiltTree(root_only_tree(bonus))
+        with timer("context"):  # the context rows of the rounds since the last draft, in one call
+            self.drafter.flush_context(self._state)
         with timer("draft"):
             logits, hidden = self.drafter.draft(self._state, bonus, self._embed, self._head, rows=state_rows,
                                                 num_positions=self.policy.draft_positions(self._draft_positions),
@@ -482,7 +487,8 @@ class BatchDecoder:
 
     def _commit(self, hidden_states, path: torch.Tensor, accept_len: torch.Tensor, chain: bool,
                 timer: StageTimer) -> None:
-        """Keep the accepted rows in the target cache and feed their features to the drafter's context."""
+        """Keep the accepted rows in the target cache and hand their features to the drafter's context (kept
+        unprojected until a draft needs them: :meth:`DrafterInference.append_context`)."""
         with timer("compaction"):
             self.verifier.commit_batch(path, accept_len, moves=not chain)
         if self.drafter is not None:

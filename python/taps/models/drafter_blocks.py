@@ -6,7 +6,7 @@ float rows quantised), the whole pass one C++ call.
 A drafter layer is a Qwen3 decoder layer (q/k norms, RoPE, GQA, SwiGLU) whose block rows attend to the row's
 context K/V and to each other (bidirectionally): exactly the forward's visibility with the context as the
 prefix and every block node visible to every other. The context rows' K/V are written by
-:meth:`BlockDraft.append_context` (called from :meth:`taps.models.drafter.DFlashDrafter.append_context`)
+:meth:`BlockDraft.project_context` (called when :class:`taps.models.drafter.DFlashDrafter` projects its context)
 through ``fc``, the norm and the same packed projections, k-norm and RoPE as the block rows, one C++
 call for all of it (:func:`enable_block_draft` also swaps the layers' linear modules for
 :class:`BlockLinear`, whose packed weights both read).
@@ -115,18 +115,17 @@ class BlockDraft:
         self._key = key
 
     @torch.no_grad()
-    def append_context(self, state, sl: slice, ctx_features: torch.Tensor) -> None:
-        """Every layer's keys and values of the context rows of ``ctx_features [R, T, n*H]`` (the target's
-        features) into state rows ``sl`` at slots ``lengths .. lengths + T - 1``, in one C++ call: ``fc`` (the
+    def project_context(self, state, ctx_features: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Every layer's keys and values of the context rows ``ctx_features [M, n*H]`` (the target's features)
+        into state row ``rows[i]`` at slot ``slots[i]`` (``[M] int64`` each), in one C++ call: ``fc`` (the
         few-row kernel, its bfloat16 weights as stored when they are), ``hidden_norm``, then the projections,
-        k-norm and RoPE of the draft's own rows. Float32 throughout (the norm sums in another order than the
-        PyTorch module: proposals only)."""
+        k-norm and RoPE of the draft's own rows, each row alone (its bits do not depend on the others). Float32
+        throughout (the norm sums in another order than the PyTorch module: proposals only)."""
         d = self.drafter
         x = ctx_features.float() if d.feature_scale is None else ctx_features.float() * d.feature_scale
-        self._context.project_context_kv(x.contiguous(), d.fc.weight.detach(),
+        self._context.project_context_kv(x.contiguous()[:, None], d.fc.weight.detach(),
                                          d.hidden_norm.weight.detach().float(), float(d.hidden_norm.eps),
-                                         state.lengths[sl].contiguous(), torch.arange(sl.start, sl.stop),
-                                         state.k_buf, state.v_buf)
+                                         slots.contiguous(), rows.contiguous(), state.k_buf, state.v_buf)
 
     @torch.no_grad()
     def draft(self, state, sl: slice, bonus_tokens: torch.Tensor, embed_tokens, lm_head, P: int, S: int,

@@ -17,13 +17,25 @@ class DFlashState:
     is its host mirror (a list of ints) when known, or None after an update with device-side counts, until
     the owner reports the new lengths with :meth:`set_host_lengths` (the decode loop does, from its one read
     per round). ``bound`` is a host-side upper bound of ``max(lengths)`` that is always valid.
+
+    Lazy context: the last ``pending[b]`` (``[B] int64``, device) of row b's context rows are target features not
+    yet projected, held in ``pending_features [B, LAZY_ROWS, n*H]`` (rows ``0 .. pending[b]-1``): a round that
+    does not draft pays a copy instead of the projection, and a draft projects every row's pending features in
+    one call (:meth:`DrafterInference.flush_context`). So ``k_buf``/``v_buf`` hold row b's context in
+    ``[0, lengths[b] - pending[b])``. ``pending_bound`` is a host-side upper bound of ``max(pending)``.
     """
+
+    #: Unprojected context rows a row holds at most (a longer append projects at once).
+    LAZY_ROWS = 64
 
     def __init__(self, k_buf: List[torch.Tensor], v_buf: List[torch.Tensor], lengths: torch.Tensor,
                  host_lengths: Optional[List[int]] = None):
         self.k_buf, self.v_buf, self.lengths = k_buf, v_buf, lengths
         self.host_lengths = list(host_lengths) if host_lengths is not None else None
         self.bound = max(self.host_lengths) if self.host_lengths else 0
+        self.pending = torch.zeros_like(lengths)
+        self.pending_bound = 0
+        self.pending_features: Optional[torch.Tensor] = None  # allocated by the first lazy append
 
     @property
     def batch_size(self) -> int:
@@ -49,7 +61,8 @@ class DFlashState:
 
     @property
     def k(self) -> List[torch.Tensor]:
-        """Per-layer key views ``[B, nkv, bound, hd]`` of the buffers (rows past each length are scratch)."""
+        """Per-layer key views ``[B, nkv, bound, hd]`` of the buffers (rows past each ``lengths - pending`` are
+        scratch; :meth:`DrafterInference.flush_context` projects the pending ones)."""
         return [k[:, :, :self.bound] for k in self.k_buf]
 
     @property
@@ -57,13 +70,17 @@ class DFlashState:
         return [v[:, :, :self.bound] for v in self.v_buf]
 
     def snapshot(self):
-        """What a failed round must restore: ``(lengths copy, host lengths, bound)``."""
-        return self.lengths.clone(), None if self.host_lengths is None else list(self.host_lengths), self.bound
+        """What a failed round must restore: the lengths (device and host), their bound and the pending counts
+        (a round writes features and keys only past them)."""
+        return (self.lengths.clone(), None if self.host_lengths is None else list(self.host_lengths), self.bound,
+                self.pending.clone(), self.pending_bound)
 
     def restore(self, snap) -> None:
-        lengths, host, bound = snap
+        lengths, host, bound, pending, pending_bound = snap
         self.lengths.copy_(lengths)
         self.host_lengths, self.bound = (list(host) if host is not None else None), bound
+        self.pending.copy_(pending)
+        self.pending_bound = pending_bound
 
 
 class DrafterInference:
@@ -108,34 +125,44 @@ class DrafterInference:
     @torch.no_grad()
     def append_context(self, state: DFlashState, ctx_features: torch.Tensor, counts: Optional[torch.Tensor] = None,
                        rows: Optional[slice] = None) -> DFlashState:
-        """Project target features of newly committed tokens and append their K/V rows to every layer.
+        """Append target features of newly committed tokens to rows' context.
 
         Args:
             ctx_features: ``[R, T, n*H]``; feature row r feeds state row ``rows.start + r`` (default: rows
                 ``0 .. R-1``), at positions ``lengths[row] .. lengths[row] + counts[r] - 1``.
             counts: ``[R] int64`` on the state's device: how many of the T feature rows are real (the rest is
-                written as scratch past the new length). None: all T, and the host lengths stay known; with
-                device counts the host mirror becomes unknown (:meth:`DFlashState.set_host_lengths`).
+                scratch). None: all T, and the host lengths stay known; with device counts the host mirror
+                becomes unknown (:meth:`DFlashState.set_host_lengths`).
             rows: a contiguous ``slice`` of state rows (default ``slice(0, R)``).
-        Returns the same ``state``. Nothing is read back to the host.
+        The features are kept as they are (a copy) and projected by the next :meth:`draft` or
+        :meth:`flush_context`; an append that would leave more than ``DFlashState.LAZY_ROWS`` rows pending
+        projects at once. Either way a draft sees the same keys and values. Returns the same ``state``; nothing
+        is read back to the host.
         """
         R, T, _ = ctx_features.shape
         if T == 0:
             return state
         sl = self._rows(state, rows, R, "ctx_features")
+        self.check_context_features(ctx_features)
         self._reserve(state, state.bound + T)
+        if state.pending_bound + T > state.LAZY_ROWS:
+            self.flush_context(state)
         lengths = state.lengths[sl]
-        if self.block_draft is not None:
-            self.check_context_features(ctx_features)
-            self.block_draft.append_context(state, sl, ctx_features)
+        if T > state.LAZY_ROWS:
+            self._project(state, sl, ctx_features, counts, lengths)
         else:
-            h = self.project_context(ctx_features)
-            pos = lengths[:, None] + torch.arange(T, device=h.device)
-            c = self.config
-            index = pos[:, None, :, None].expand(R, c.num_key_value_heads, T, c.head_dim)
-            for l, (k, v) in enumerate(self._context_kv(h, pos)):
-                state.k_buf[l][sl].scatter_(2, index, k.to(state.k_buf[l].dtype))
-                state.v_buf[l][sl].scatter_(2, index, v.to(state.v_buf[l].dtype))
+            if state.pending_features is None or state.pending_features.dtype != ctx_features.dtype:
+                self.flush_context(state)
+                # zeros: the torch path projects every kept row up to the longest pending run, and a scratch
+                # row must stay finite (a masked key's NaN value would still reach the attention's sum)
+                state.pending_features = ctx_features.new_zeros(state.batch_size, state.LAZY_ROWS,
+                                                                ctx_features.shape[2])
+            # whole feature rows by flat index (a scatter along dim 1 took ~4x longer here)
+            first = torch.arange(sl.start, sl.stop, device=ctx_features.device) * state.LAZY_ROWS + state.pending[sl]
+            slots = (first[:, None] + torch.arange(T, device=ctx_features.device)).reshape(-1)
+            state.pending_features.view(-1, ctx_features.shape[2]).index_copy_(0, slots, ctx_features.reshape(R * T, -1))
+            state.pending[sl] += T if counts is None else counts.to(torch.int64)
+            state.pending_bound += T
         lengths += T if counts is None else counts.to(torch.int64)
         if counts is None and state.host_lengths is not None:
             host = list(state.host_lengths)
@@ -146,6 +173,43 @@ class DrafterInference:
             state.host_lengths = None
             state.bound += T
         return state
+
+    @torch.no_grad()
+    def flush_context(self, state: DFlashState) -> DFlashState:
+        """Project every row's pending context features (:class:`DFlashState`) into its keys and values, in one
+        call; a no-op when none are pending."""
+        if state.pending_bound == 0:
+            return state
+        rows = slice(0, state.batch_size)
+        T = min(state.pending_bound, state.LAZY_ROWS)
+        self._reserve(state, state.bound + T)  # the torch path writes T slots per row
+        self._project(state, rows, state.pending_features[:, :T], state.pending, state.lengths - state.pending)
+        state.pending.zero_()
+        state.pending_bound = 0
+        return state
+
+    def _project(self, state: DFlashState, sl: slice, ctx_features: torch.Tensor, counts: Optional[torch.Tensor],
+                 start: torch.Tensor) -> None:
+        """Keys and values of ``ctx_features [R, T, n*H]`` (the first ``counts[r]`` rows of each, or all) into
+        state rows ``sl`` at slots ``start[r] ..`` of every layer."""
+        R, T, _ = ctx_features.shape
+        if self.block_draft is not None:
+            j = torch.arange(T, device=ctx_features.device)
+            real = None if counts is None else j[None, :] < counts.to(torch.int64)[:, None]
+            slots, rows = start[:, None] + j, torch.arange(sl.start, sl.stop)[:, None].expand(R, T)
+            if real is None:
+                feats, slots, rows = ctx_features.reshape(R * T, -1), slots.reshape(-1), rows.reshape(-1)
+            else:  # only the real rows: each is its own one-row context piece
+                feats, slots, rows = ctx_features[real], slots[real], rows[real]
+            self.block_draft.project_context(state, feats, slots, rows)
+            return
+        h = self.project_context(ctx_features)
+        pos = start[:, None] + torch.arange(T, device=h.device)
+        c = self.config
+        index = pos[:, None, :, None].expand(R, c.num_key_value_heads, T, c.head_dim)
+        for l, (k, v) in enumerate(self._context_kv(h, pos)):
+            state.k_buf[l][sl].scatter_(2, index, k.to(state.k_buf[l].dtype))
+            state.v_buf[l][sl].scatter_(2, index, v.to(state.v_buf[l].dtype))
 
     def rollback(self, state: DFlashState, length) -> DFlashState:
         """Crop the context cache: ``length`` an int (every row) or a host list of per-row lengths, each
@@ -158,13 +222,17 @@ class DrafterInference:
             if n < 0 or (cur is not None and n > cur[b]) or (cur is None and n > state.bound):
                 have = cur[b] if cur is not None else f"<= {state.bound}"
                 raise ValueError(f"rollback length {n} of row {b} outside [0, {have}]")
-        state.lengths.copy_(torch.tensor(want, dtype=torch.int64))
+        want_t = torch.tensor(want, dtype=torch.int64, device=state.lengths.device)
+        state.pending.sub_((state.lengths - want_t).clamp(min=0)).clamp_(min=0)  # the cropped rows were the last
+        state.lengths.copy_(want_t)
         state.set_host_lengths(want)
         return state
 
     def reset_row(self, state: DFlashState, row: int, keep: int = 0) -> None:
         """Empty one row (a request left; the next one starts from no context), or keep its first ``keep``
-        context rows (the caller knows they are the next request's: a prompt that starts as the last one did)."""
+        context rows (the caller knows they are the next request's: a prompt that starts as the last one did).
+        Pending context is projected first, so the rows a later ``keep`` names hold their keys and values."""
+        self.flush_context(state)
         state.lengths[row] = int(keep)
         if state.host_lengths is not None:
             host = list(state.host_lengths)
@@ -201,6 +269,7 @@ class DrafterInference:
         S = P + 1 if self.short_blocks else c.block_size
         dev = self.fc.weight.device
         self._reserve(state, state.bound)
+        self.flush_context(state)
         if self.block_draft is not None:  # the whole pass in one C++ call (taps.models.drafter_blocks)
             return self.block_draft.draft(state, sl, bonus_tokens, embed_tokens, lm_head, P, S,
                                           bool(full_vocab_logits))

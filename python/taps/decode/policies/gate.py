@@ -6,18 +6,18 @@ are paid before any tree exists: when even the best tree's expected rate is belo
 autocorrelated (boilerplate code drafts well for many rounds, free prose drafts badly), so recent drafted
 rounds predict the next one. When the running mean of their log rate ratio (below) turns negative, the
 next ``skip`` rounds run without the drafter (the root alone, as autoregressive decoding does, or the lookup
-chain of a policy that has one; the drafter still reads their target features, so its context stays complete), then one round drafts again as a probe. ``skip``
-doubles after each losing probe up to ``max_skip`` and falls back to 1 once the mean is back above zero
-(exponential backoff).
+chain of a policy that has one; the drafter keeps their target features and projects them when it next drafts,
+so its context stays complete), then one round drafts again as a probe. ``skip`` doubles after each losing probe
+up to ``max_skip`` and falls back to 1 once the mean is back above zero (exponential backoff).
 
 A drafted round's rate ratio is ``E / (t0 + overhead + latency[n])`` over the best rate without the drafter: a
-plain round's ``1 / (latency[0] + t_context)``, or, for a policy that also looks up, the best lookup round the
-chain's measured acceptance predicts (:meth:`.sizing.ThroughputSize.undrafted_rate`),
-``E = 1 + sum of the reach of its n verified nodes`` (a learned, calibrated reach for ``taps``; the
-drafter's marginal product for ``ddtree-cost``, which underestimates acceptance and so gates more often),
-costs from the same measured latency table the throughput rule uses (:mod:`taps.decode.latency`;
-:meth:`.sizing.ThroughputSize.rate_ratio`). A :class:`.composed.ComposedPolicy` with the throughput rule
-holds one :class:`DraftGate` for the whole batch.
+plain round's ``1 / latency[0]`` (the context update of the rounds between drafts is paid in ``t0``), or, for a
+policy that also looks up, the best lookup round the chain's measured acceptance predicts
+(:meth:`.sizing.ThroughputSize.undrafted_rate`), ``E = 1 + sum of the reach of its n verified nodes`` (a learned,
+calibrated reach for ``taps``; the drafter's marginal product for ``ddtree-cost``, which underestimates acceptance
+and so gates more often), costs from the same measured latency table the throughput rule uses
+(:mod:`taps.decode.latency`; :meth:`.sizing.ThroughputSize.rate_ratio`). A :class:`.composed.ComposedPolicy` with
+the throughput rule holds one :class:`DraftGate` for the whole batch.
 
 Losslessness is untouched: a skipped round's tree (the root, or the root and its chain) is verified like any
 other.

@@ -34,11 +34,11 @@ class ThroughputSize:
     tree is chosen the drafter pass is already paid, so (renewal-reward argument) node ``i`` of the
     reach-ordered list is worth verifying when its reach exceeds the tokens the policy could otherwise produce
     in the time it adds: ``n* = argmax_n sum_{i<=n} r_(i) - rho * (latency[n] - latency[0])``. ``rho`` is the
-    plain-round rate ``1 / (latency[0] + t_context)``: the long-run rate these CPUs reach is within ~10% of it,
-    and the choice barely moves over that range (trace replay: +1.1% tokens/s for TAPS over the per-round ratio
-    ``(1 + sum r) / (t0 + latency[n])`` of METHOD.md, same within 0.1% for rho from 0.9 to 1.2 plain rates).
-    The top-``n`` nodes by reach are prefix-closed (reach never grows along a path); ``n* = 0`` verifies the
-    root alone.
+    plain-round rate ``1 / latency[0]`` (such a round leaves the drafter's context update to the next drafted
+    one): the long-run rate these CPUs reach is within ~10% of it, and the choice barely moves over that range
+    (trace replay: +1.1% tokens/s for TAPS over the per-round ratio ``(1 + sum r) / (t0 + latency[n])`` of
+    METHOD.md, same within 0.1% for rho from 0.9 to 1.2 plain rates). The top-``n`` nodes by reach are prefix-closed
+    (reach never grows along a path); ``n* = 0`` verifies the root alone.
 
     **A batch of R rows.** The candidate nodes of all rows (each row's best ``max_nodes`` by reach, nodes below
     its depth cap excluded) in order of reach, each kept while its expected tokens pay for the verify time it
