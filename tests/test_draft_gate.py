@@ -282,3 +282,48 @@ def test_round_cost_is_the_draft_at_the_policy_depth():
                          latency=old, max_depth=2)
     capped.bind(target, drafter, "cpu")
     assert capped.size.t0 == pytest.approx(0.045)
+
+
+def test_round_cost_follows_the_positions_each_round_projects():
+    """A pool that follows its trees projects fewer positions after small trees, and the gate weighs that round's
+    draft at those positions."""
+    target, drafter = tiny_target(0), tiny_drafter(0)  # block 5: 4 draft positions
+    latency = {"latency": [0.05 + 0.01 * n for n in range(65)], "t0": 0.045,
+               "t0_parts": {"draft": 0.04, "context": 0.005, "draft_by_positions": [0.01, 0.02, 0.03, 0.04]}}
+    pol = taps_policy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
+                      latency=latency, max_depth=8)
+    pol.bind(target, drafter, "cpu")
+    assert pol.draft_positions(4) == 4 and pol.size.t0 == pytest.approx(0.04 + 0.005)
+    pol.observe([1.5], [0], {})  # a root-only tree: the next draft projects the headroom's 2 positions
+    assert pol.draft_positions(4) == 2 and pol.size.t0 == pytest.approx(0.02 + 0.005)
+    pol.reset()
+    assert pol.draft_positions(4) == 4
+
+
+def test_the_loop_drafts_the_positions_the_policy_asks_for(monkeypatch):
+    """Each draft after the first projects the previous drafted tree's size plus the headroom (nodes verified
+    minus the root), capped at the drafter's positions; the output is the target's own."""
+    from taps.decode.policies.sources import DEPTH_HEADROOM
+
+    target, drafter = tiny_target(3), tiny_drafter(3)
+    asked = []
+    real = drafter.draft
+
+    def recording(*args, num_positions=None, **kwargs):
+        asked.append(num_positions)
+        return real(*args, num_positions=num_positions, **kwargs)
+
+    monkeypatch.setattr(drafter, "draft", recording)
+    pol = make("taps", False, slope=0.03)  # dear nodes: trees of 0-2 nodes, drafts of 2-4 positions
+    prompt = [5, 9, 2, 44, 17, 3, 5, 9, 2]
+    res = SpeculativeDecoder(target, pol, drafter=drafter).generate(prompt, 40)
+    assert res.token_ids == hf_greedy(target, prompt, 40)
+    D = drafter.config.block_size - 1
+    nodes = [r.nodes for r in res.stats.rounds]
+    # the first draft (admission) projects every position; draft k builds round k's tree after round k-1 verified
+    # one of nodes[k-1] (no gate: every round drafts; the first half of the rounds, far from the length limit,
+    # whose depth cap would cut a tree below its selected size)
+    half = len(nodes) // 2
+    assert asked[0] == D and all(r.drafted for r in res.stats.rounds[:half])
+    assert asked[1:half + 1] == [min(D, n - 1 + DEPTH_HEADROOM) for n in nodes[:half]]
+    assert len(set(asked)) > 1

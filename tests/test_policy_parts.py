@@ -81,3 +81,27 @@ def test_the_gate_needs_the_throughput_rule():
         ComposedPolicy(TopReach(4), draft=DraftPool(4), gate=True)
     with pytest.raises(RuntimeError, match="bind"):
         ComposedPolicy(TopReach(4), draft=DraftPool(4)).build(torch.zeros(1, 2, V), None, torch.tensor([1]))
+
+
+@pytest.mark.parametrize("spec,follows", [("taps", True), ("taps-nogate", True), ("taps-tiny", True),
+                                          ("taps-lookup", True), ("taps-fixed:4", False), ("taps-paper", False),
+                                          ("ddtree-cost", False)])
+def test_the_throughput_rule_pools_follow_their_trees(spec, follows):
+    assert make_policy(spec).draft.follow_trees == follows
+
+
+def test_round_positions_follow_the_last_drafted_round():
+    """The largest tree of the last drafted round (selected nodes: a bound of its depth) plus the headroom,
+    within the pool's cap (no running rows: unchanged); a pool that does not follow its trees projects its cap."""
+    from taps.decode.policies.sources import DEPTH_HEADROOM
+
+    pool = DraftPool(16, max_depth=8, follow_trees=True)
+    assert pool.round_positions(7) == 7 and pool.round_positions(12) == 8
+    for sizes, want in (([1, 3], 3 + DEPTH_HEADROOM), ([0], DEPTH_HEADROOM), ([9, 0], 7), ([], 7)):
+        pool.observe_sizes(sizes)
+        assert pool.round_positions(7) == want
+    pool.reset()
+    assert pool.round_positions(7) == 7
+    fixed = DraftPool(16, max_depth=8)
+    fixed.observe_sizes([1])
+    assert fixed.round_positions(7) == 7

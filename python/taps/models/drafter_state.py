@@ -136,8 +136,8 @@ class DrafterInference:
             rows: a contiguous ``slice`` of state rows (default ``slice(0, R)``).
         The features are kept as they are (a copy) and projected by the next :meth:`draft` or
         :meth:`flush_context`; an append that would leave more than ``DFlashState.LAZY_ROWS`` rows pending
-        projects at once. Either way a draft sees the same keys and values. Returns the same ``state``; nothing
-        is read back to the host.
+        projects the kept ones first, and one longer than that projects its own at once. Either way a draft sees
+        the same keys and values. Returns the same ``state``; nothing is read back to the host.
         """
         R, T, _ = ctx_features.shape
         if T == 0:
@@ -158,9 +158,11 @@ class DrafterInference:
                 state.pending_features = ctx_features.new_zeros(state.batch_size, state.LAZY_ROWS,
                                                                 ctx_features.shape[2])
             # whole feature rows by flat index (a scatter along dim 1 took ~4x longer here)
-            first = torch.arange(sl.start, sl.stop, device=ctx_features.device) * state.LAZY_ROWS + state.pending[sl]
-            slots = (first[:, None] + torch.arange(T, device=ctx_features.device)).reshape(-1)
-            state.pending_features.view(-1, ctx_features.shape[2]).index_copy_(0, slots, ctx_features.reshape(R * T, -1))
+            dev = ctx_features.device
+            first = torch.arange(sl.start, sl.stop, device=dev) * state.LAZY_ROWS + state.pending[sl]
+            slots = (first[:, None] + torch.arange(T, device=dev)).reshape(-1)
+            flat = state.pending_features.view(-1, ctx_features.shape[2])
+            flat.index_copy_(0, slots, ctx_features.reshape(R * T, -1))
             state.pending[sl] += T if counts is None else counts.to(torch.int64)
             state.pending_bound += T
         lengths += T if counts is None else counts.to(torch.int64)

@@ -60,7 +60,12 @@ class ComposedPolicy(TreePolicy):
         self._bound = False
 
     def draft_positions(self, num_positions: int) -> int:
-        return self.draft.positions(num_positions) if self.draft is not None else num_positions
+        if self.draft is None:
+            return num_positions
+        positions = self.draft.round_positions(num_positions)
+        if isinstance(self.size, ThroughputSize) and self.size.bound:  # the fixed time of the round it drafts
+            self.size.t0 = self.size.table.round_seconds(positions)
+        return positions
 
     def max_tree_depth(self, draft_positions: int) -> int:
         drafted = self.draft.positions(draft_positions) if self.draft is not None else 0
@@ -95,6 +100,8 @@ class ComposedPolicy(TreePolicy):
             self.gate.reset()
         if self.lookup is not None:
             self.lookup.reset()
+        if self.draft is not None:
+            self.draft.reset()
 
     def wants_draft(self) -> bool:
         return self.gate is None or self.gate.wants_draft()
@@ -105,6 +112,8 @@ class ComposedPolicy(TreePolicy):
         if self.gate is not None and expected is not None and sizes is not None and expected:
             undrafted = self.lookup.undrafted_reach() if self.lookup is not None else None
             self.gate.record(self.size.rate_ratio(expected, sizes, undrafted))
+        if self.draft is not None and sizes is not None:
+            self.draft.observe_sizes(sizes)
         self.size.observe_times(times)
 
     def observe_rows(self, accepted, aux) -> None:

@@ -70,7 +70,7 @@ def taps_lookup_policy(max_nodes: int = DEFAULT_CAP, num_tokens: int = DEFAULT_L
         gate: skip the drafter after rounds predicted to lose (the chain is verified in skipped rounds too).
     """
     check_lookup_args("taps-lookup", num_tokens, max_ngram)
-    pool, reach = scorer_pool(max_nodes, pool_size, tiny, scorer, top_k, max_depth)
+    pool, reach = scorer_pool(max_nodes, pool_size, tiny, scorer, top_k, max_depth, follow_trees=True)
     return ComposedPolicy(ThroughputSize(max_nodes, latency), draft=pool, reach=reach,
                           lookup=LookupChain(num_tokens, max_ngram), gate=gate)
 

@@ -60,10 +60,12 @@ def taps_size_rule(rule: str, max_nodes: int, latency=None, min_utility: float =
 
 
 def scorer_pool(max_nodes: int, pool_size: Optional[int] = None, tiny: bool = False, scorer=None, top_k=None,
-                max_depth: Optional[int] = None):
+                max_depth: Optional[int] = None, follow_trees: bool = False):
     """``(DraftPool, ScorerReach)`` of the TAPS variants: a pool of ``pool_size`` (default
-    :data:`DEFAULT_POOL_SIZE`, at least ``max_nodes``) scored by the learned scorer."""
-    pool = DraftPool(max(pool_size or DEFAULT_POOL_SIZE, max_nodes), top_k=None, max_depth=max_depth)
+    :data:`DEFAULT_POOL_SIZE`, at least ``max_nodes``) scored by the learned scorer; ``follow_trees``: the
+    throughput rule's variants project only as deep as their recent trees (:class:`.sources.DraftPool`)."""
+    pool = DraftPool(max(pool_size or DEFAULT_POOL_SIZE, max_nodes), top_k=None, max_depth=max_depth,
+                     follow_trees=follow_trees)
     return pool, ScorerReach(scorer, tiny=tiny, top_k=top_k)
 
 
@@ -89,7 +91,7 @@ def taps_policy(max_nodes: int = DEFAULT_CAP, rule: str = "reach", pool_size: Op
             throughput-rule policies (``taps``, ``taps-nogate``, ``taps-tiny``) pass :data:`DEFAULT_MAX_DEPTH`;
             ``taps-fixed`` and ``taps-paper`` keep every position (equal-budget comparisons).
     """
-    pool, reach = scorer_pool(max_nodes, pool_size, tiny, scorer, top_k, max_depth)
+    pool, reach = scorer_pool(max_nodes, pool_size, tiny, scorer, top_k, max_depth, follow_trees=rule == "reach")
     return ComposedPolicy(taps_size_rule(rule, max_nodes, latency, min_utility), draft=pool, reach=reach,
                           gate=gate and rule == "reach")
 
