@@ -265,11 +265,15 @@ def test_registry_names():
     assert not make_policy("taps-fixed:8").use_gate and not make_policy("taps-paper").use_gate
 
 
+#: A table of a 4-position drafter with its draft time by positions.
+POSITIONS_TABLE = {"latency": [0.05 + 0.01 * n for n in range(65)], "t0": 0.045,
+                   "t0_parts": {"draft": 0.04, "context": 0.005, "draft_by_positions": [0.01, 0.02, 0.03, 0.04]}}
+
+
 def test_round_cost_is_the_draft_at_the_policy_depth():
     """A depth-capped TAPS policy costs a drafted round at the positions it projects; DDTree-cost at all."""
     target, drafter = tiny_target(0), tiny_drafter(0)  # block 5: 4 draft positions
-    latency = {"latency": [0.05 + 0.01 * n for n in range(65)], "t0": 0.045,
-               "t0_parts": {"draft": 0.04, "context": 0.005, "draft_by_positions": [0.01, 0.02, 0.03, 0.04]}}
+    latency = POSITIONS_TABLE
     capped = taps_policy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
                          latency=latency, max_depth=2)
     capped.bind(target, drafter, "cpu")
@@ -288,8 +292,7 @@ def test_round_cost_follows_the_positions_each_round_projects():
     """A pool that follows its trees projects fewer positions after small trees, and the gate weighs that round's
     draft at those positions."""
     target, drafter = tiny_target(0), tiny_drafter(0)  # block 5: 4 draft positions
-    latency = {"latency": [0.05 + 0.01 * n for n in range(65)], "t0": 0.045,
-               "t0_parts": {"draft": 0.04, "context": 0.005, "draft_by_positions": [0.01, 0.02, 0.03, 0.04]}}
+    latency = POSITIONS_TABLE
     pol = taps_policy(8, rule="reach", pool_size=24, scorer=random_scorer(False).to_weights(), top_k=8,
                       latency=latency, max_depth=8)
     pol.bind(target, drafter, "cpu")
