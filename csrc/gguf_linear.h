@@ -52,9 +52,9 @@ enum class KernelPath : int { Scalar = 0, Avx2 = 1, Vnni = 2, Amx = 3, AmxEmulat
 constexpr int64_t kAmxMinRows = 12;
 inline int64_t amx_tile_rows(int64_t M) { return M % 16 >= kAmxMinRows ? M : M / 16 * 16; }
 KernelPath kernel_path();
-const char* kernel_path_name(KernelPath p);
+const char* kernel_path_name(KernelPath p);  // "scalar", "avx2", "vnni", "amx", "amx-emulated"
 // TAPS_GGUF_KERNELS as set ("" when not), read once per process; the top-K rows (topk_stats.h) follow it too.
-const std::string& kernels_requested();  // "scalar", "avx2", "vnni", "amx", "amx-emulated"
+const std::string& kernels_requested();
 
 // IEEE half -> float (exact: every half is a float); half_at reads the little-endian half at p.
 float half_to_float(uint16_t h);

@@ -64,7 +64,7 @@ class ComposedPolicy(TreePolicy):
             return num_positions
         positions = self.draft.round_positions(num_positions)
         if isinstance(self.size, ThroughputSize) and self.size.bound:  # the fixed time of the round it drafts
-            self.size.t0 = self.size.table.round_seconds(positions)
+            self.size.set_draft_positions(positions)
         return positions
 
     def max_tree_depth(self, draft_positions: int) -> int:

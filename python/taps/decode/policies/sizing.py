@@ -78,7 +78,11 @@ class ThroughputSize:
         self.latency = latency
         self.table = LatencyTable.of(latency)
         self._tables = {}
-        self.t0 = self.table.round_seconds(draft_positions)
+        self.set_draft_positions(draft_positions)
+
+    def set_draft_positions(self, positions: Optional[int]) -> None:
+        """The fixed round time ``t0`` of a draft projecting ``positions`` block positions (None: all)."""
+        self.t0 = self.table.round_seconds(positions)
 
     def batch_table(self, rows: int, device=None) -> torch.Tensor:
         """The ``rows``-row table as a float64 tensor on ``device`` (default CPU), built once per device."""

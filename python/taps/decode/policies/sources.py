@@ -48,8 +48,8 @@ class DraftPool:
             projects only those positions onto the vocabulary.
         follow_trees: project only as deep as the last drafted round's largest tree (its selected nodes: a bound
             of its depth) plus :data:`DEPTH_HEADROOM`, within ``max_depth`` (:meth:`round_positions`). On a CPU
-            each position's vocabulary head costs ~0.15 ms of a ~3-4 ms draft while most trees hold 1-3 nodes;
-            a tree the throughput rule selects never reaches a position it did not pay for.
+            each position's vocabulary head costs ~0.15 ms of a ~3-4 ms draft while most trees hold 1-3 nodes,
+            so the positions past them are paid for and never read.
     """
 
     def __init__(self, pool_size: int, top_k: Optional[int] = None, max_depth: Optional[int] = None,
