@@ -10,12 +10,13 @@
 // Both are exact integer sums, so the float step after them (the same multiplies and adds in the same order
 // as the plain loop) gives the same bits as the plain loop and the VNNI path, whatever the row count.
 //
-// Lanes are output rows: one 256-bit register holds 8 of a packed group's 16 rows, so a group runs as two
-// halves of 8 rows each, reading the half of every 64-byte line that holds its rows. The rows of x come
-// block-interleaved and in row and group blocks, with records prefetched ahead, as on the VNNI path
-// (gguf_linear_interleave.h). Per row and half block (256 multiply-adds) the Q4_1 loop runs ~36 vector
-// operations on Zen 3's four vector pipes (llvm-mca -mcpu=znver3: 9.2 cycles; measured 10-13), so that count
-// is what bounds it from a few rows on.
+// Lanes are output rows: one 256-bit register holds 8 of a packed group's 16 rows (one half of each 64-byte
+// line), so a group's two halves are two registers. The rows of x come block-interleaved and in row and group
+// blocks, with records prefetched ahead, as on the VNNI path (gguf_linear_interleave.h). From a few rows on a
+// row costs ~10 cycles per 256 multiply-adds on Zen 3 (measured with everything in L1, 3-12 rows), against
+// the 4.5 that its 9 integer multiplies need on the core's two multiply pipes; llvm-mca -mcpu=znver3 puts the
+// bound on the broadcasts' pipes, yet activations stored pre-broadcast (no broadcasts, plain loads) measured
+// no faster, so that model is not what holds it.
 #include "gguf_linear.h"
 #include "gguf_linear_interleave.h"
 
@@ -67,78 +68,117 @@ TAPS_AVX2 inline void store_live(float* y, __m256 v, int live) {
 // the loop then made ~100 stack accesses a block.
 #define TAPS_KEEP(v) asm volatile("" : "+x"(v))
 
-// Rows m0 .. m0 + MC of x (interleaved) over the 8 output rows of half `half` of one packed group; `live` of them
-// exist. The steps over a block's 4 dwords go across the rows first, so MC independent add chains overlap.
+// Rows m0 .. m0 + MC of x (interleaved) over the 16 output rows of one packed group; `live` of them exist. The
+// group's two halves of 8 rows (one register each) run in the same pass over its records, so each activation
+// broadcast feeds both and the loop runs once per group rather than once per half: SmolLM2's 211 matrices
+// (random blocks of their shapes, one thread, Zen 3, best of 7) at 1 / 3 / 5 / 16 rows 6.0-6.9 / 7.4-7.9 /
+// 11.8 / 31.1-31.8 ms -> 4.6-4.8 / 5.9 / 9.6-9.9 / 29.0 ms. The steps over a block's dwords go across the rows
+// first, so 2 * MC independent add chains overlap.
 template <int MC>
-TAPS_AVX2 void half_group_q4_1(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, int half,
-                               float* y, int64_t ldy, int live) {
+TAPS_AVX2 void group_q4_1(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, float* y, int64_t ldy,
+                          int live) {
   const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[2][MC];
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < MC; ++c) acc[h][c] = _mm256_setzero_ps();
   const int8_t* act = x.act + m0 * kBlock;
   const float* meta = x.meta + m0 * 2;
   const int64_t astride = x.M * kBlock, mstride = x.M * 2;
-  __m256 acc[MC];
-  for (int c = 0; c < MC; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ41Record, act += astride, meta += mstride) {
-    if (half == 0) prefetch_record_ahead(rec, kQ41Record);  // half 1 reads what half 0 brought in
-    __m256i s16[MC];
+    prefetch_record_ahead(rec, kQ41Record);
+    __m256i s16[2][MC];
     for (int j = 0; j < 4; ++j) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * half));
-      const __m256i wl = _mm256_and_si256(p, low);
-      const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      __m256i wl[2], wh[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
+        wl[h] = _mm256_and_si256(p, low);
+        wh[h] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      }
       for (int c = 0; c < MC; ++c) {
-        const __m256i lo = _mm256_maddubs_epi16(wl, broadcast_dword(act + c * kBlock + 4 * j));
-        const __m256i hi = _mm256_maddubs_epi16(wh, broadcast_dword(act + c * kBlock + 16 + 4 * j));
-        s16[c] = j == 0 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi16(s16[c], _mm256_add_epi16(lo, hi));
-        TAPS_KEEP(s16[c]);
+        __m256i alo = broadcast_dword(act + c * kBlock + 4 * j);
+        __m256i ahi = broadcast_dword(act + c * kBlock + 16 + 4 * j);
+        TAPS_KEEP(alo);
+        TAPS_KEEP(ahi);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i lo = _mm256_maddubs_epi16(wl[h], alo);
+          const __m256i hi = _mm256_maddubs_epi16(wh[h], ahi);
+          s16[h][c] = j == 0 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi16(s16[h][c], _mm256_add_epi16(lo, hi));
+          TAPS_KEEP(s16[h][c]);
+        }
       }
     }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * half)));
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * half)));
-    for (int c = 0; c < MC; ++c) {
-      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[c], _mm256_set1_epi16(1)));
-      const __m256 blk = _mm256_add_ps(_mm256_mul_ps(dv, isum), _mm256_mul_ps(mv, _mm256_set1_ps(meta[2 * c + 1])));
-      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(blk, _mm256_set1_ps(meta[2 * c])));
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
+      for (int c = 0; c < MC; ++c) {
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[h][c], _mm256_set1_epi16(1)));
+        const __m256 blk = _mm256_add_ps(_mm256_mul_ps(dv, isum), _mm256_mul_ps(mv, _mm256_set1_ps(meta[2 * c + 1])));
+        acc[h][c] = _mm256_add_ps(acc[h][c], _mm256_mul_ps(blk, _mm256_set1_ps(meta[2 * c])));
+      }
     }
   }
-  for (int c = 0; c < MC; ++c) store_live(y + c * ldy + 8 * half, acc[c], live);
+  for (int c = 0; c < MC; ++c) {
+    store_live(y + c * ldy, acc[0][c], live);
+    if (live > 8) store_live(y + c * ldy + 8, acc[1][c], live - 8);
+  }
 }
 
 template <int MC>
-TAPS_AVX2 void half_group_q8_0(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, int half,
-                               float* y, int64_t ldy, int live) {
+TAPS_AVX2 void group_q8_0(const uint8_t* rec, int64_t KB, const Interleaved& x, int64_t m0, float* y, int64_t ldy,
+                          int live) {
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[2][MC];
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < MC; ++c) acc[h][c] = _mm256_setzero_ps();
   const int8_t* act = x.act + m0 * kBlock;
   const float* meta = x.meta + m0 * 2;
   const int64_t astride = x.M * kBlock, mstride = x.M * 2;
-  __m256 acc[MC];
-  for (int c = 0; c < MC; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ80Record, act += astride, meta += mstride) {
-    if (half == 0) prefetch_record_ahead(rec, kQ80Record);
-    __m256i s32[MC];
+    prefetch_record_ahead(rec, kQ80Record);
+    __m256i s32[2][MC];
     for (int t = 0; t < 8; ++t) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * t + 32 * half));
-      const __m256i q = _mm256_xor_si256(raw, bias);
-      const __m256i mag = _mm256_sign_epi8(q, q);  // |q| as unsigned bytes (128 for -128)
+      __m256i q[2], mag[2];
+      for (int h = 0; h < 2; ++h) {
+        q[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * t + 32 * h)), bias);
+        mag[h] = _mm256_sign_epi8(q[h], q[h]);
+      }
       for (int c = 0; c < MC; ++c) {
-        const __m256i signed_a = _mm256_sign_epi8(broadcast_dword(act + c * kBlock + 4 * t), q);
-        const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, signed_a), _mm256_set1_epi16(1));
-        s32[c] = t == 0 ? pairs : _mm256_add_epi32(s32[c], pairs);
-        TAPS_KEEP(s32[c]);
+        __m256i a = broadcast_dword(act + c * kBlock + 4 * t);
+        TAPS_KEEP(a);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[h], _mm256_sign_epi8(a, q[h])),
+                                                  _mm256_set1_epi16(1));
+          s32[h][c] = t == 0 ? pairs : _mm256_add_epi32(s32[h][c], pairs);
+          TAPS_KEEP(s32[h][c]);
+        }
       }
     }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * half)));
-    for (int c = 0; c < MC; ++c) {
-      const __m256 blk = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(s32[c]));
-      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(blk, _mm256_set1_ps(meta[2 * c])));
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
+      for (int c = 0; c < MC; ++c) {
+        const __m256 blk = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(s32[h][c]));
+        acc[h][c] = _mm256_add_ps(acc[h][c], _mm256_mul_ps(blk, _mm256_set1_ps(meta[2 * c])));
+      }
     }
   }
-  for (int c = 0; c < MC; ++c) store_live(y + c * ldy + 8 * half, acc[c], live);
+  for (int c = 0; c < MC; ++c) {
+    store_live(y + c * ldy, acc[0][c], live);
+    if (live > 8) store_live(y + c * ldy + 8, acc[1][c], live - 8);
+  }
 }
 
-using HalfFn = void (*)(const uint8_t*, int64_t, const Interleaved&, int64_t, int, float*, int64_t, int);
+using GroupFn = void (*)(const uint8_t*, int64_t, const Interleaved&, int64_t, float*, int64_t, int);
 
-// Up to 4 rows at a time: 4 block sums + 4 accumulators + the weights and constants in the 16 registers.
-constexpr int kRowChunk = 4;
+// Rows at a time: 2 * MC block sums, both halves' weights and the broadcasts fill the 16 registers at MC = 3 (the
+// accumulators go to the stack once a block). Four rows spill more, yet a call of exactly 4 rows ran faster as one
+// chunk than as 2 + 2 (7.8 vs 8.5 ms above); from 5 rows on, chunks of at most 3 (16 rows: 29.0 vs 30.7 ms with
+// chunks of 4).
+constexpr int kMaxRowChunk = 4;
+inline int64_t row_chunk(int64_t left) {
+  if (left <= kMaxRowChunk) return left;
+  const int64_t chunks = (left + 2) / 3;
+  return (left + chunks - 1) / chunks;
+}
 
 }  // namespace
 
@@ -192,23 +232,19 @@ TAPS_AVX2 void quantize_activations_avx2(const float* x, int64_t M, int64_t K, i
 TAPS_AVX2 void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
                                   const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy,
                                   int64_t g0, int64_t g1) {
-  static const HalfFn q41[kRowChunk + 1] = {nullptr, half_group_q4_1<1>, half_group_q4_1<2>, half_group_q4_1<3>,
-                                            half_group_q4_1<4>};
-  static const HalfFn q80[kRowChunk + 1] = {nullptr, half_group_q8_0<1>, half_group_q8_0<2>, half_group_q8_0<3>,
-                                            half_group_q8_0<4>};
-  const HalfFn* fns = t == BlockType::Q4_1 ? q41 : q80;
+  static const GroupFn q41[kMaxRowChunk + 1] = {nullptr, group_q4_1<1>, group_q4_1<2>, group_q4_1<3>,
+                                                 group_q4_1<4>};
+  static const GroupFn q80[kMaxRowChunk + 1] = {nullptr, group_q8_0<1>, group_q8_0<2>, group_q8_0<3>,
+                                                 group_q8_0<4>};
+  const GroupFn* fns = t == BlockType::Q4_1 ? q41 : q80;
   const int64_t KB = K / kBlock, rec = record_bytes(t);
   const Interleaved x = interleave_activations(a, scale, asum, M, K);
   for_each_block(g0, g1, M, [&](int64_t g, int64_t m0, int64_t m1) {
-    const int64_t live = std::min<int64_t>(kGroupRows, N - g * kGroupRows);
+    const int live = static_cast<int>(std::min<int64_t>(kGroupRows, N - g * kGroupRows));
     const uint8_t* grec = packed + g * KB * rec;
     for (int64_t m = m0, mc = 0; m < m1; m += mc) {
-      const int64_t left = m1 - m, chunks = (left + kRowChunk - 1) / kRowChunk;
-      mc = (left + chunks - 1) / chunks;
-      for (int half = 0; half < 2 && 8 * half < live; ++half) {
-        fns[mc](grec, KB, x, m, half, y + m * ldy + g * kGroupRows, ldy,
-                static_cast<int>(std::min<int64_t>(8, live - 8 * half)));
-      }
+      mc = row_chunk(m1 - m);
+      fns[mc](grec, KB, x, m, y + m * ldy + g * kGroupRows, ldy, live);
     }
   });
 }
