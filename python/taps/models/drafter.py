@@ -167,11 +167,12 @@ def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", 
 
 
 def load_decoding_drafter(path, target, body: str = "auto", head: str = "auto",
-                          short_blocks: bool = False) -> "DFlashDrafter":
+                          short_blocks: bool = True) -> "DFlashDrafter":
     """The one way to load a drafter for decoding with ``target``: :func:`load_drafter` checked against the
     target's config, then :func:`prepare_drafter` on the device of the target's embedding (``body`` ``auto``
     there, or a dtype name; see :func:`prepare_drafter`). Used by the CLI, the transformers entry, scorer
-    traces and the benchmarks."""
+    traces and the benchmarks. ``short_blocks`` (default on): a draft of P positions runs the block
+    ``[bonus, MASK x P]``; a policy that projects every position drafts the trained block either way."""
     drafter = load_drafter(str(path), target_config=target.config)
     emb = target.get_input_embeddings().weight
     return prepare_drafter(drafter, emb.device, body=body, head=head, short_blocks=short_blocks)
