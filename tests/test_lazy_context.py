@@ -9,6 +9,7 @@ import torch
 
 from taps.decode import BatchDecoder, make_policy
 from taps.models.drafter import DFlashConfig, DFlashDrafter, prepare_drafter
+from taps.models.drafter_state import DFlashState
 
 from helpers import hf_greedy, tiny_drafter, tiny_target
 
@@ -155,3 +156,83 @@ def test_rounds_without_a_draft_never_project(monkeypatch):
     # only the rows of finished requests are projected (so that a next prompt may keep them), not each round's
     rounds = sum(len(res[i].stats.rounds) for i in ids)
     assert calls["project"] <= len(prompts) < rounds
+
+
+def _state_tensors(st):
+    return [st.pending_features.clone(), st.pending.clone(), st.lengths.clone()]
+
+
+def _path_rounds(seed, batch=3, rounds=9, nodes=7):
+    """Rounds of (verify rows [B, N, F], path [B, P] with -1 pads, counts [B]) as the decode loop hands them over."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rounds):
+        P = int(torch.randint(1, 5, (1,), generator=g))
+        counts = torch.randint(0, P + 1, (batch,), generator=g)
+        path = torch.full((batch, P), -1, dtype=torch.int64)
+        for b in range(batch):
+            picked = sorted(random.Random(seed * 31 + b).sample(range(nodes), int(counts[b])))
+            path[b, :len(picked)] = torch.tensor(picked, dtype=torch.int64)
+        out.append((torch.randn(batch, nodes, F, generator=g), path, counts))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stash_in_one_call_equals_the_torch_gather_and_copy(seed, monkeypatch):
+    """A path's rows kept by ``_C.stash_rows`` leave the state (kept features, pending counts, lengths) and the
+    draft that follows exactly as the torch gather and copy do."""
+    from taps.models import drafter_state
+    from taps_kernels import _C
+
+    calls = []
+    stash = _C.stash_rows
+    monkeypatch.setattr(_C, "stash_rows", lambda *a: calls.append(1) or stash(*a))
+    d = _drafter("float32")
+    emb, head = torch.nn.Embedding(V, 64), torch.nn.Linear(64, V, bias=False)
+    results = []
+    for in_place in (True, False):
+        if not in_place:
+            monkeypatch.setattr(drafter_state.DrafterInference, "_stash_in_place", lambda *a: False)
+        st = d.new_state(3)
+        d.append_context(st, torch.randn(3, 4, F, generator=torch.Generator().manual_seed(9)))  # kept rows exist
+        seen = []
+        for feats, path, counts in _path_rounds(seed):
+            d.append_context(st, feats, counts=counts, path=path)
+            seen.append(_state_tensors(st) + [st.pending_bound, st.bound])
+        logits, _ = d.draft(st, torch.tensor([3, 9, 1]), emb, head, num_positions=3)
+        results.append((seen, logits))
+    assert len(calls) == 9  # every round of the first pass ran the one call
+    (a, la), (b, lb) = results
+    for x, y in zip(a, b):
+        assert all(torch.equal(u, v) for u, v in zip(x[:3], y[:3])) and x[3:] == y[3:]
+    assert torch.equal(la, lb)
+
+
+def test_stash_rejects_bad_input_and_leaves_the_state_as_it_was():
+    from taps_kernels import _C
+
+    d = _drafter("float32")
+    st = d.new_state(2)
+    d.append_context(st, torch.randn(2, 3, F))
+    before = _state_tensors(st)
+    feats, path, counts = torch.randn(2, 5, F), torch.tensor([[0, 2], [1, -1]]), torch.tensor([2, 1])
+    bad = {
+        "path[1][0]: expected a node in [0, 5)": dict(path=torch.tensor([[0, 2], [7, -1]])),
+        "counts[0]: expected 0 <= count <= 2": dict(counts=torch.tensor([3, 1])),
+        "ctx_features: expected dtype float32": dict(feats=feats.double()),
+        "path: expected shape (2, *)": dict(path=torch.zeros(3, 2, dtype=torch.int64)),
+        "rows: expected 2 state rows from row 1": dict(row0=1),
+    }
+    for message, change in bad.items():
+        args = dict(feats=feats, path=path, counts=counts, row0=0) | change
+        with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("(", r"\(")
+                           .replace(")", r"\)").replace("*", r"\*")):
+            _C.stash_rows(args["feats"], args["path"], args["counts"], st.pending_features, st.pending, st.lengths,
+                          args["row0"])
+        assert all(torch.equal(u, v) for u, v in zip(before, _state_tensors(st)))
+    full = torch.full_like(st.pending, DFlashState.LAZY_ROWS - 1)
+    with pytest.raises(ValueError, match=r"pending\[0\]: 63 kept rows \+ 2 new ones do not fit"):
+        _C.stash_rows(feats, path, counts, st.pending_features, full, st.lengths, 0)
+    assert all(torch.equal(u, v) for u, v in zip(before, _state_tensors(st)))
+    with pytest.raises(ValueError, match=r"path: expected \[2, T\] int64"):
+        d.append_context(st, feats, counts=counts, path=path.int())

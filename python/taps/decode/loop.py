@@ -493,8 +493,8 @@ class BatchDecoder:
             self.verifier.commit_batch(path, accept_len, moves=not chain)
         if self.drafter is not None:
             with timer("context"):
-                feats = self.verifier.gather_features(hidden_states, path)
-                self.drafter.append_context(self._state, feats, counts=accept_len)
+                feats = self.verifier.features(hidden_states)
+                self.drafter.append_context(self._state, feats, counts=accept_len, path=path)
 
     def _apply(self, host: HostReadout, rows: List[Optional[_Row]], built: BuiltTree, bonus: torch.Tensor,
                drafted: bool, times: Dict[str, float], round_s: float) -> Dict[int, RoundStats]:

@@ -168,15 +168,6 @@ class CacheVerifier:
         node rows (all rows when None)."""
         raise NotImplementedError
 
-    def gather_features(self, hidden_states, path: torch.Tensor) -> Optional[torch.Tensor]:
-        """Features of the accepted nodes: ``[B, P, n*H]`` at ``path [B, P]`` (-1 pads read node 0; the
-        caller passes the real counts to the drafter)."""
-        if self.feature_layer_ids is None:
-            return None
-        feats = self.features(hidden_states)
-        idx = path.clamp(min=0)[:, :, None].expand(-1, -1, feats.shape[-1])
-        return feats.gather(1, idx)
-
     def prefill_row(self, row: int, prompt_ids: Sequence[int], start: int = 0) -> Tuple[torch.Tensor,
                                                                                          Optional[torch.Tensor]]:
         """Run one prompt alone into row ``row`` (other rows untouched, nothing recomputed).
