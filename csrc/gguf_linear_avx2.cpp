@@ -13,10 +13,10 @@
 // Lanes are output rows: one 256-bit register holds 8 of a packed group's 16 rows (one half of each 64-byte
 // line), so a group's two halves are two registers. The rows of x come block-interleaved and in row and group
 // blocks, with records prefetched ahead, as on the VNNI path (gguf_linear_interleave.h). From a few rows on a
-// row costs ~10 cycles per 256 multiply-adds on Zen 3 (measured with everything in L1, 3-12 rows), against
-// the 4.5 that its 9 integer multiplies need on the core's two multiply pipes; llvm-mca -mcpu=znver3 puts the
-// bound on the broadcasts' pipes, yet activations stored pre-broadcast (no broadcasts, plain loads) measured
-// no faster, so that model is not what holds it.
+// row costs ~8.7 cycles per 256 multiply-adds on Zen 3 (3 rows, everything in L1), against the 4.5 that its 9
+// integer multiplies need on the core's two multiply pipes; the per-block float step (convert, 3 multiplies, 2
+// adds: the numerics above) takes ~2.2 of them (timed by leaving it out). llvm-mca -mcpu=znver3 puts the bound
+// on the broadcasts' pipes, yet activations stored pre-broadcast (plain loads) measured no faster.
 #include "gguf_linear.h"
 #include "gguf_linear_interleave.h"
 
@@ -140,7 +140,7 @@ TAPS_AVX2 void group_q8_0(const uint8_t* rec, int64_t KB, const Interleaved& x, 
       __m256i q[2], mag[2];
       for (int h = 0; h < 2; ++h) {
         q[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * t + 32 * h)), bias);
-        mag[h] = _mm256_sign_epi8(q[h], q[h]);
+        mag[h] = _mm256_sign_epi8(q[h], q[h]);  // |q| as unsigned bytes (128 for -128)
       }
       for (int c = 0; c < MC; ++c) {
         __m256i a = broadcast_dword(act + c * kBlock + 4 * t);
