@@ -75,6 +75,25 @@ def test_generate_json_equals_ar(assets, capsys):
     assert all(ids == outs["ar"] for ids in outs.values())
 
 
+def test_short_blocks_flag_reaches_the_drafter(assets, capsys, monkeypatch):
+    """No flag: the library's default (short blocks on); --no-short-blocks / --short-blocks set it."""
+    from taps.models import drafter as drafter_module
+
+    seen, load = [], drafter_module.load_decoding_drafter
+
+    def spy(*args, **kwargs):
+        drafter = load(*args, **kwargs)
+        seen.append(drafter.short_blocks)
+        return drafter
+
+    monkeypatch.setattr(drafter_module, "load_decoding_drafter", spy)
+    for extra in ((), ("--no-short-blocks",), ("--short-blocks",)):
+        rc, _, err = run_cli(capsys, "generate", "--policy", "ddtree:2", "--prompt", "w1 w2", "--json",
+                             "--max-new-tokens", 4, *extra, *common(assets))
+        assert rc == 0, err
+    assert seen == [True, False, True]
+
+
 def test_generate_sampled_is_seeded(assets, capsys):
     """Sampling: the same --seed gives the same tokens; across seeds the tokens vary; text decodes the ids."""
     from transformers import AutoTokenizer

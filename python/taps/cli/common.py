@@ -46,10 +46,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the drafter's layers (blocks: the whole draft pass through the GGUF block kernels, Q8_0 "
                         "weights; auto: blocks on CPUs with AVX-512 VNNI, else bfloat16 on CPUs with native bf16, "
                         "else float32; proposals only, outputs are unchanged)")
-    p.add_argument("--short-blocks", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--short-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="a policy drafting P < block_size-1 positions runs the drafter block [bonus, MASK x P] "
                         "instead of the trained one (cheaper layers; proposals change slightly, outputs do not; "
-                        "default on: README, the Zen 3 section)")
+                        "default: load_decoding_drafter's, on: README, the Zen 3 section)")
     p.add_argument("--linear-kernel", default="auto", choices=("auto", "torch"),
                    help="target linear layers (auto: the few-row C++ kernel for AR steps and tree verifies on "
                         "AVX-512 CPUs, torch's linear elsewhere; torch: torch's linear everywhere)")
@@ -146,9 +146,10 @@ def load_drafter_cli(args, target_model):
     except (FileNotFoundError, KeyError, OSError) as e:
         raise CLIError(f"--drafter {p}: {_first_line(e)}") from None
     body = getattr(args, "draft_dtype", "auto")
+    short = getattr(args, "short_blocks", None)
     try:
         return load_decoding_drafter(p, target_model, body=body, head=getattr(args, "draft_head_dtype", "auto"),
-                                     short_blocks=bool(getattr(args, "short_blocks", True)))
+                                     **({} if short is None else {"short_blocks": short}))
     except (FileNotFoundError, KeyError, OSError) as e:
         raise CLIError(f"--drafter {p}: {_first_line(e)}") from None
     except (ValueError, RuntimeError) as e:

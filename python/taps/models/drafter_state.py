@@ -145,38 +145,23 @@ class DrafterInference:
         R = ctx_features.shape[0]
         sl = self._rows(state, rows, R, "ctx_features")
         self.check_context_features(ctx_features)
-        if path is not None:
-            if path.dim() != 2 or path.shape[0] != R or path.dtype != torch.int64:
-                raise ValueError(f"path: expected [{R}, T] int64, received {tuple(path.shape)} {path.dtype}")
-            if self._stash_in_place(state, sl, ctx_features, counts, path):
-                return state
-            idx = path.clamp(min=0)[:, :, None].expand(-1, -1, ctx_features.shape[2])
-            ctx_features = ctx_features.gather(1, idx)
-        T = ctx_features.shape[1]
+        if path is not None and (path.dim() != 2 or path.shape[0] != R or path.dtype != torch.int64):
+            raise ValueError(f"path: expected [{R}, T] int64, received {tuple(path.shape)} {path.dtype}")
+        T = ctx_features.shape[1] if path is None else path.shape[1]
         if T == 0:
             return state
         self._reserve(state, state.bound + T)
         if state.pending_bound + T > state.LAZY_ROWS:
             self.flush_context(state)
-        lengths = state.lengths[sl]
+        added = T if counts is None else counts.to(torch.int64)
         if T > state.LAZY_ROWS:
-            self._project(state, sl, ctx_features, counts, lengths)
+            if path is not None:
+                ctx_features = ctx_features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1,
+                                                                                           ctx_features.shape[2]))
+            self._project(state, sl, ctx_features, counts, state.lengths[sl])
+            state.lengths[sl] += added
         else:
-            if state.pending_features is None or state.pending_features.dtype != ctx_features.dtype:
-                self.flush_context(state)
-                # zeros: the torch path projects every kept row up to the longest pending run, and a scratch
-                # row must stay finite (a masked key's NaN value would still reach the attention's sum)
-                state.pending_features = ctx_features.new_zeros(state.batch_size, state.LAZY_ROWS,
-                                                                ctx_features.shape[2])
-            # whole feature rows by flat index (a scatter along dim 1 took ~4x longer here)
-            dev = ctx_features.device
-            first = torch.arange(sl.start, sl.stop, device=dev) * state.LAZY_ROWS + state.pending[sl]
-            slots = (first[:, None] + torch.arange(T, device=dev)).reshape(-1)
-            flat = state.pending_features.view(-1, ctx_features.shape[2])
-            flat.index_copy_(0, slots, ctx_features.reshape(R * T, -1))
-            state.pending[sl] += T if counts is None else counts.to(torch.int64)
-            state.pending_bound += T
-        lengths += T if counts is None else counts.to(torch.int64)
+            self._keep(state, sl, ctx_features, added, path)
         if counts is None and state.host_lengths is not None:
             host = list(state.host_lengths)
             for b in range(sl.start, sl.stop):
@@ -187,29 +172,47 @@ class DrafterInference:
             state.bound += T
         return state
 
-    def _stash_in_place(self, state: DFlashState, sl: slice, ctx_features: torch.Tensor,
-                        counts: Optional[torch.Tensor], path: torch.Tensor) -> bool:
-        """The lazy append of :meth:`append_context` with a ``path`` as one C++ call (``_C.stash_rows``: the gather,
-        the copy into the kept rows and the counters, ~0.13 ms of torch ops a round otherwise) where it applies:
-        CPU float32 features, kept rows of that dtype with room, device ``counts``. False: the caller's torch path
-        runs (the same rows and counts)."""
-        T = path.shape[1]
+    def _keep(self, state: DFlashState, sl: slice, ctx_features: torch.Tensor, added, path: Optional[torch.Tensor]):
+        """The lazy half of :meth:`append_context`: copy the rows (``path``'s, or all) after each state row's kept
+        ones and advance ``pending`` and ``lengths`` by ``added`` (an int, or ``[R] int64``)."""
+        R, N, F = ctx_features.shape
+        T = N if path is None else path.shape[1]
         kept = state.pending_features
-        if (counts is None or T == 0 or kept is None or kept.dtype != torch.float32 or kept.device.type != "cpu"
-                or ctx_features.dtype != torch.float32 or ctx_features.device.type != "cpu"
-                or state.pending_bound + T > state.LAZY_ROWS):
-            return False
+        if kept is None or kept.dtype != ctx_features.dtype:
+            self.flush_context(state)
+            # zeros: the torch path projects every kept row up to the longest pending run, and a scratch
+            # row must stay finite (a masked key's NaN value would still reach the attention's sum)
+            kept = state.pending_features = ctx_features.new_zeros(state.batch_size, state.LAZY_ROWS, F)
+        stash = self._native_stash(kept, ctx_features)
+        if stash is not None:  # gather, copy and counters in one call: ~0.13 ms of torch ops a round otherwise
+            if path is None:
+                path = torch.arange(T, dtype=torch.int64).expand(R, T)
+            if not torch.is_tensor(added):
+                added = torch.full((R,), T, dtype=torch.int64)
+            stash(ctx_features.contiguous(), path.contiguous(), added.contiguous(), kept, state.pending, state.lengths,
+                  sl.start)
+        else:
+            if path is not None:
+                ctx_features = ctx_features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, F))
+            # whole feature rows by flat index (a scatter along dim 1 took ~4x longer here)
+            dev = ctx_features.device
+            first = torch.arange(sl.start, sl.stop, device=dev) * state.LAZY_ROWS + state.pending[sl]
+            slots = (first[:, None] + torch.arange(T, device=dev)).reshape(-1)
+            kept.view(-1, F).index_copy_(0, slots, ctx_features.reshape(R * T, F))
+            state.pending[sl] += added
+            state.lengths[sl] += added
+        state.pending_bound += T
+
+    @staticmethod
+    def _native_stash(kept: torch.Tensor, ctx_features: torch.Tensor):
+        """``_C.stash_rows`` where it applies (CPU float32 features and kept rows), else None (the torch path)."""
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (kept, ctx_features)):
+            return None
         try:
             from taps_kernels import _C
         except ImportError:
-            return False
-        self._reserve(state, state.bound + T)
-        _C.stash_rows(ctx_features.contiguous(), path.contiguous(), counts.to(torch.int64).contiguous(), kept,
-                      state.pending, state.lengths, sl.start)
-        state.pending_bound += T
-        state.host_lengths = None
-        state.bound += T
-        return True
+            return None
+        return _C.stash_rows
 
     @torch.no_grad()
     def flush_context(self, state: DFlashState) -> DFlashState:
