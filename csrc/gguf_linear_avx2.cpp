@@ -16,7 +16,10 @@
 // row costs ~8.7 cycles per 256 multiply-adds on Zen 3 (3 rows, everything in L1), against the 4.5 that its 9
 // integer multiplies need on the core's two multiply pipes; the per-block float step (convert, 3 multiplies, 2
 // adds: the numerics above) takes ~2.2 of them (timed by leaving it out). llvm-mca -mcpu=znver3 puts the bound
-// on the broadcasts' pipes, yet activations stored pre-broadcast (plain loads) measured no faster.
+// on the broadcasts' pipes, yet activations stored pre-broadcast (plain loads) measured no faster. Also tried and
+// not kept (SmolLM2's Q4_1 matrices, best of 7, builds alternated): a group's nibbles unpacked once per row block
+// into an L1 scratch, so rows skip the and/shift and chunks carry 4-6 rows (64 rows 84.4 -> 84.5 ms, 5 rows 7.6 ->
+// 10.8-11.4 ms); the int16 pairs widened by shifts instead of vpmaddwd (16 rows 21.4-22.2 -> 24.4-24.6 ms).
 #include "gguf_linear.h"
 #include "gguf_linear_interleave.h"
 
@@ -171,8 +174,8 @@ using GroupFn = void (*)(const uint8_t*, int64_t, const Interleaved&, int64_t, f
 
 // Rows at a time: 2 * MC block sums, both halves' weights and the broadcasts fill the 16 registers at MC = 3 (the
 // accumulators go to the stack once a block). Four rows spill more, yet a call of exactly 4 rows ran faster as one
-// chunk than as 2 + 2 (7.8 vs 8.5 ms above); from 5 rows on, chunks of at most 3 (16 rows: 29.0 vs 30.7 ms with
-// chunks of 4).
+// chunk than as 2 + 2 (7.8 vs 8.5 ms above) and no slower than 3 + 1 (the Q4_1 matrices 6.4-6.5 vs 6.4-6.7 ms);
+// from 5 rows on, chunks of at most 3 (16 rows: 29.0 vs 30.7 ms with chunks of 4).
 constexpr int kMaxRowChunk = 4;
 inline int64_t row_chunk(int64_t left) {
   if (left <= kMaxRowChunk) return left;
