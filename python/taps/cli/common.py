@@ -44,8 +44,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "on CPUs with native bf16, else the target's); proposals only, outputs are unchanged")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "blocks"] + sorted(DTYPES),
                    help="the drafter's layers (blocks: the whole draft pass through the GGUF block kernels, Q8_0 "
-                        "weights; auto: blocks on CPUs with AVX-512 VNNI, else bfloat16 on CPUs with native bf16, "
-                        "else float32; proposals only, outputs are unchanged)")
+                        "weights; auto: blocks on CPUs with AVX-512 VNNI or AVX2, else bfloat16 on CPUs with "
+                        "native bf16, else float32; proposals only, outputs are unchanged)")
     p.add_argument("--short-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="a policy drafting P < block_size-1 positions runs the drafter block [bonus, MASK x P] "
                         "instead of the trained one (cheaper layers; proposals change slightly, outputs do not; "

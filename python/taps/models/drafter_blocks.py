@@ -168,7 +168,8 @@ def enable_block_draft(drafter, head_format: str = "q8_0") -> "BlockDraft":
     if next(drafter.parameters()).dtype != torch.float32 or next(drafter.parameters()).device.type != "cpu":
         raise ValueError("drafter: block drafting needs a float32 drafter on the CPU")
     if not block_draft_available():
-        raise RuntimeError("block drafting needs a CPU with AVX-512 VNNI (taps_kernels.explain())")
+        raise RuntimeError("block drafting needs the block kernels' AVX-512 VNNI or AVX2 path on this CPU "
+                           "(taps_kernels.explain() says which runs)")
     why = block_draft_unsupported(drafter.config)
     if why:
         raise ValueError(f"drafter: block drafting: {why}")

@@ -66,7 +66,7 @@ def prepare_drafter(drafter: "DFlashDrafter", device, body: str = "auto", head: 
     """The one place that readies a loaded drafter for decoding on ``device`` (proposals only: no choice here
     changes a generated token).
 
-    ``body``: ``auto`` = ``blocks`` on CPUs where the block forward runs (AVX-512 VNNI: the whole draft pass in
+    ``body``: ``auto`` = ``blocks`` on CPUs where the block forward runs (AVX-512 VNNI or AVX2: the whole draft pass in
     one C++ call, ~2 ms against ~6 ms for bf16 layers here), else :func:`fast_body_dtype` (or the drafter's
     float32); ``head``: for the PyTorch layers ``auto`` = :func:`fast_head_dtype`, or a dtype name / ``int8``; for
     the block body ``auto`` = :data:`DEFAULT_BLOCK_HEAD`, or ``q8_0`` / ``q4_1`` (:func:`enable_block_draft`).
