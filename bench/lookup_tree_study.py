@@ -20,7 +20,7 @@ step. Prints the table and writes JSON.
 import argparse
 import json
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -59,9 +59,10 @@ def matched(proposal: List[int], truth: List[int]) -> int:
     return n
 
 
-def shapes(k_max: int) -> Dict[str, Callable[[List[int], List[int], List[int]], int]]:
-    """``{name: accepted(history, found, truth)}``: tokens a round of the shape accepts (bonus excluded)."""
-    out = {f"chain:{k}": (lambda h, f, t, k=k: matched(chain(h, f, k), t)) for k in range(1, k_max + 1)}
+def shapes(k_max: int) -> Dict[str, Tuple[int, Callable[[List[int], List[int], List[int]], int]]]:
+    """``{name: (non-root nodes, accepted(history, found, truth))}``: the tokens a round of the shape accepts (bonus
+    excluded)."""
+    out = {f"chain:{k}": (k, lambda h, f, t, k=k: matched(chain(h, f, k), t)) for k in range(1, k_max + 1)}
 
     def two_children(h, f, t):
         first = sibling(h, f)
@@ -71,8 +72,8 @@ def shapes(k_max: int) -> Dict[str, Callable[[List[int], List[int], List[int]], 
         first = sibling(h, f)
         return max(matched(chain(h, f, 2), t), 1 if len(first) == 2 and t and t[0] == first[1] else 0)
 
-    out["sibling"] = two_children
-    out["chain:2+sibling"] = chain_and_sibling
+    out["sibling"] = (2, two_children)
+    out["chain:2+sibling"] = (3, chain_and_sibling)
     return out
 
 
@@ -126,7 +127,7 @@ def main():
             raise SystemExit(f"{rid}: the prompt encodes to {len(prompt)} tokens, the record says "
                              f"{turn['prompt_len']} (another tokenizer or template?)")
         prompts += 1
-        for name, accepted in runs.items():
+        for name, (_, accepted) in runs.items():
             r = replay(prompt, turn["token_ids"], accepted,
                        args.chain_max if name == f"chain:{args.chain_max}" else 0)
             for key in r:
@@ -136,8 +137,7 @@ def main():
           f"recorded tokens")
     print(f"{'shape':<18} {'non-root nodes':>14} {'rounds':>7} {'tau':>6}")
     for name, t in table.items():
-        nodes = {"sibling": 2, "chain:2+sibling": 3}.get(name) or int(name.split(":")[1])
-        print(f"{name:<18} {nodes:>14} {t['rounds']:>7} {t['tau']:>6.3f}")
+        print(f"{name:<18} {runs[name][0]:>14} {t['rounds']:>7} {t['tau']:>6.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"dataset": args.dataset, "records": Path(args.jsonl).name,
                                               "prompts": prompts, "max_ngram": MAX_NGRAM, "shapes": table},

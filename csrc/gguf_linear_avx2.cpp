@@ -66,6 +66,15 @@ TAPS_AVX2 inline void store_live(float* y, __m256 v, int live) {
   }
 }
 
+// Rows y[c * ldy ..] (c < MC) of a group: its first 8 outputs from acc[0][c], the rest of `live` from acc[1][c].
+template <int MC>
+TAPS_AVX2 inline void store_group(const __m256 (&acc)[2][MC], float* y, int64_t ldy, int live) {
+  for (int c = 0; c < MC; ++c) {
+    store_live(y + c * ldy, acc[0][c], live);
+    if (live > 8) store_live(y + c * ldy + 8, acc[1][c], live - 8);
+  }
+}
+
 // Keeps v in a register at this point of the program. Without it GCC hoists every vpmaddubsw of a block above
 // the adds (integer adds reassociate) and spills their products and the accumulators to the stack: at 4 rows
 // the loop then made ~100 stack accesses a block.
@@ -120,10 +129,7 @@ TAPS_AVX2 void group_q4_1(const uint8_t* rec, int64_t KB, const Interleaved& x, 
       }
     }
   }
-  for (int c = 0; c < MC; ++c) {
-    store_live(y + c * ldy, acc[0][c], live);
-    if (live > 8) store_live(y + c * ldy + 8, acc[1][c], live - 8);
-  }
+  store_group<MC>(acc, y, ldy, live);
 }
 
 template <int MC>
@@ -164,10 +170,7 @@ TAPS_AVX2 void group_q8_0(const uint8_t* rec, int64_t KB, const Interleaved& x, 
       }
     }
   }
-  for (int c = 0; c < MC; ++c) {
-    store_live(y + c * ldy, acc[0][c], live);
-    if (live > 8) store_live(y + c * ldy + 8, acc[1][c], live - 8);
-  }
+  store_group<MC>(acc, y, ldy, live);
 }
 
 using GroupFn = void (*)(const uint8_t*, int64_t, const Interleaved&, int64_t, float*, int64_t, int);

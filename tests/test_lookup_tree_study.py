@@ -25,7 +25,7 @@ def test_sibling_and_replay():
     history = [7, 1, 7, 2, 3, 7]  # only [7] matches, at 2 (then 2) and at 0 (then 1): latest first
     assert st.occurrences(history) == [3, 1] and st.sibling(history, [3, 1]) == [2, 1]
     assert st.sibling([5, 1, 5, 1, 5], st.occurrences([5, 1, 5, 1, 5])) == [1]  # one continuation: no sibling
-    shapes = st.shapes(3)
+    shapes = {name: accepted for name, (_, accepted) in st.shapes(3).items()}
     # prompt [1, 2, 1, 3, 1] then answer [2, 9]: round 1 proposes by the latest "1" -> chain [3, 1], siblings
     # {3, 2}; the truth is 2, so only the sibling shape accepts it (then 9 is the bonus)
     prompt, answer = [1, 2, 1, 3, 1], [2, 9]

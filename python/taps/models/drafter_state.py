@@ -83,6 +83,13 @@ class DFlashState:
         self.pending_bound = pending_bound
 
 
+def _on_path(ctx_features: torch.Tensor, path: Optional[torch.Tensor]) -> torch.Tensor:
+    """``ctx_features [R, N, F]`` at ``path [R, T]`` (-1 pads read row 0), or all of them when ``path`` is None."""
+    if path is None:
+        return ctx_features
+    return ctx_features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, ctx_features.shape[2]))
+
+
 class DrafterInference:
     """The inference passes of :class:`taps.models.drafter.DFlashDrafter` (mixed into it): they read its
     ``config``, ``fc``, ``layers``, ``norm``, the modes ``short_blocks`` and ``block_draft``, and its context
@@ -155,10 +162,7 @@ class DrafterInference:
             self.flush_context(state)
         added = T if counts is None else counts.to(torch.int64)
         if T > state.LAZY_ROWS:
-            if path is not None:
-                ctx_features = ctx_features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1,
-                                                                                           ctx_features.shape[2]))
-            self._project(state, sl, ctx_features, counts, state.lengths[sl])
+            self._project(state, sl, _on_path(ctx_features, path), counts, state.lengths[sl])
             state.lengths[sl] += added
         else:
             self._keep(state, sl, ctx_features, added, path)
@@ -192,8 +196,7 @@ class DrafterInference:
             stash(ctx_features.contiguous(), path.contiguous(), added.contiguous(), kept, state.pending, state.lengths,
                   sl.start)
         else:
-            if path is not None:
-                ctx_features = ctx_features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, F))
+            ctx_features = _on_path(ctx_features, path)
             # whole feature rows by flat index (a scatter along dim 1 took ~4x longer here)
             dev = ctx_features.device
             first = torch.arange(sl.start, sl.stop, device=dev) * state.LAZY_ROWS + state.pending[sl]
