@@ -76,7 +76,7 @@ def main() -> int:
         tree, log_reach = random_pool(B, device, gen)
         for C in (256, 1024, 4096):
             tokens, lengths = histories(B, C, device, gen)
-            chain, chain_len, ngram = lookup_chain(tokens, lengths, K, MAX_NGRAM)
+            chain, chain_len, ngram, _ = lookup_chain(tokens, lengths, K, MAX_NGRAM)
             chain_reach = torch.log(torch.full((B, K), 0.5, device=device)).cumsum(1)
             match_us = timed(lambda: lookup_chain(tokens, lengths, K, MAX_NGRAM), device, blocks, calls)
             graft_us = timed(lambda: graft_chain(tree, log_reach, chain, chain_len, chain_reach), device, blocks, calls)

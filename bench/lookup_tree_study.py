@@ -10,7 +10,8 @@ Shapes, in non-root nodes per round (first turns only: a later turn's history ho
 * ``chain:K``: the up to K tokens after the latest occurrence of the longest matching suffix (3, else 2, else 1
   tokens), as :func:`taps_kernels.lookup_chain` picks them (checked against it every round).
 * ``sibling``: 2 nodes, both children of the root: the next tokens of the latest two occurrences that differ
-  (``chain:2`` when every occurrence continues alike).
+  (``chain:2`` when every occurrence continues alike); the second is :func:`taps_kernels.lookup_chain`'s sibling
+  (checked every round), which ``lookup-cost`` and ``taps-lookup`` graft beside the chain.
 * ``chain:2+sibling``: 3 nodes: ``chain:2`` and the sibling of its first node.
 
 Shapes with the same node count cost the same verify, so their tau (tokens per round, the bonus included) compares
@@ -78,8 +79,8 @@ def shapes(k_max: int) -> Dict[str, Tuple[int, Callable[[List[int], List[int], L
 
 
 def replay(prompt: List[int], answer: List[int], accepted: Callable, check_chain: int = 0) -> Dict[str, int]:
-    """Rounds to commit ``answer`` after ``prompt``; ``check_chain`` > 0: compare every round's ``chain:K`` with
-    :func:`taps_kernels.lookup_chain`'s."""
+    """Rounds to commit ``answer`` after ``prompt``; ``check_chain`` > 0: compare every round's ``chain:K`` and
+    sibling with :func:`taps_kernels.lookup_chain`'s."""
     seq = prompt + answer
     p, rounds = len(prompt), 0
     while p < len(seq):
@@ -89,8 +90,9 @@ def replay(prompt: List[int], answer: List[int], accepted: Callable, check_chain
             import taps_kernels
 
             ids = torch.tensor([history], dtype=torch.int64)
-            op_chain, op_len, _ = taps_kernels.lookup_chain(ids, torch.tensor([p]), check_chain, MAX_NGRAM)
+            op_chain, op_len, _, op_sibling = taps_kernels.lookup_chain(ids, torch.tensor([p]), check_chain, MAX_NGRAM)
             assert op_chain[0, :int(op_len[0])].tolist() == chain(history, found, check_chain), p
+            assert int(op_sibling[0]) == (sibling(history, found) + [-1, -1])[1], p
         # the last recorded token can only be a bonus: a round never accepts past it
         p += min(accepted(history, found, seq[p:]), len(seq) - p - 1) + 1
         rounds += 1

@@ -9,19 +9,23 @@
 namespace taps {
 
 void lookup_chain(const int64_t* tokens, const int64_t* lengths, int64_t B, int64_t C, int64_t K, int64_t max_ngram,
-                  int64_t* chain, int64_t* chain_len, int64_t* ngram) {
+                  int64_t* chain, int64_t* chain_len, int64_t* ngram, int64_t* sibling) {
   for (int64_t b = 0; b < B; ++b) {
     const int64_t* row = tokens + b * C;
     const int64_t L = lengths[b];
-    int64_t cont = -1, n_hit = 0;
+    int64_t cont = -1, n_hit = 0, sib = -1;
     for (int64_t n = std::min(max_ngram, C - 1); n >= 1 && n_hit == 0; --n) {
       if (L < n + 1) continue;  // an occurrence needs s >= 0 with s + n < L
       const int64_t* suffix = row + L - n;
-      // the latest window first: the first hit going down is the latest occurrence
+      // the latest window first: the first hit going down is the latest occurrence; the scan goes on to the
+      // latest one whose next token differs (the sibling), which in text usually sits a few occurrences back
       for (int64_t s = L - n - 1; s >= 0; --s) {
-        if (std::memcmp(row + s, suffix, static_cast<size_t>(n) * sizeof(int64_t)) == 0) {
+        if (std::memcmp(row + s, suffix, static_cast<size_t>(n) * sizeof(int64_t)) != 0) continue;
+        if (n_hit == 0) {
           cont = s + n;
           n_hit = n;
+        } else if (row[s + n] != row[cont]) {
+          sib = row[s + n];
           break;
         }
       }
@@ -34,6 +38,7 @@ void lookup_chain(const int64_t* tokens, const int64_t* lengths, int64_t B, int6
     }
     chain_len[b] = len;
     ngram[b] = n_hit;
+    sibling[b] = sib;
   }
 }
 

@@ -10,9 +10,10 @@ namespace taps {
 // tokens [B, C] (row b's history is tokens[b, :lengths[b]], lengths in [0, C]). For n = min(max_ngram, C - 1)
 // down to 1 the first n that has an earlier occurrence of the row's last n tokens with at least one token
 // after it wins; of its occurrences the latest. Writes chain [B, K] (0 past the end), chain_len [B], ngram [B]
-// (0: no match).
+// (0: no match) and sibling [B]: the token after the latest occurrence of the same n tokens whose next token
+// differs from the chain's first (-1: none, or no match).
 void lookup_chain(const int64_t* tokens, const int64_t* lengths, int64_t B, int64_t C, int64_t K, int64_t max_ngram,
-                  int64_t* chain, int64_t* chain_len, int64_t* ngram);
+                  int64_t* chain, int64_t* chain_len, int64_t* ngram, int64_t* sibling);
 
 // Merges root -> chain[b, 0] -> chain[b, 1] -> ... (chain_len[b] tokens) into row b of a [B, N] tree whose first
 // num_nodes[b] nodes are real; outputs are [B, N + K] (tree copied, then appended nodes, then padding: token 0,

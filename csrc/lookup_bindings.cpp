@@ -34,13 +34,15 @@ std::vector<at::Tensor> lookup_chain(const at::Tensor& tokens, const at::Tensor&
   at::Tensor tok = tokens.contiguous(), len = lengths.contiguous();
   check_range<int64_t>(len, "lengths", 0, C, "a history length");
   auto opts = tokens.options();
-  at::Tensor chain = at::empty({B, num_tokens}, opts), chain_len = at::empty({B}, opts), ngram = at::empty({B}, opts);
+  at::Tensor chain = at::empty({B, num_tokens}, opts), chain_len = at::empty({B}, opts), ngram = at::empty({B}, opts),
+             sibling = at::empty({B}, opts);
   {
     py::gil_scoped_release no_gil;
     taps::lookup_chain(tok.data_ptr<int64_t>(), len.data_ptr<int64_t>(), B, C, num_tokens, max_ngram,
-                       chain.data_ptr<int64_t>(), chain_len.data_ptr<int64_t>(), ngram.data_ptr<int64_t>());
+                       chain.data_ptr<int64_t>(), chain_len.data_ptr<int64_t>(), ngram.data_ptr<int64_t>(),
+                       sibling.data_ptr<int64_t>());
   }
-  return {chain, chain_len, ngram};
+  return {chain, chain_len, ngram, sibling};
 }
 
 std::vector<at::Tensor> graft_chain(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depth,
@@ -79,8 +81,8 @@ std::vector<at::Tensor> graft_chain(const at::Tensor& tokens, const at::Tensor& 
 
 void register_lookup(py::module& m) {
   m.def("lookup_chain", &lookup_chain, "tokens [B,C] int64, lengths [B] int64, num_tokens, max_ngram -> "
-        "[chain [B,K] int64, chain_len [B] int64, ngram [B] int64]", py::arg("tokens"), py::arg("lengths"),
-        py::arg("num_tokens"), py::arg("max_ngram"));
+        "[chain [B,K] int64, chain_len [B] int64, ngram [B] int64, sibling [B] int64 (-1: none)]", py::arg("tokens"),
+        py::arg("lengths"), py::arg("num_tokens"), py::arg("max_ngram"));
   m.def("graft_chain", &graft_chain, "tree (tokens [B,N] int64, parents/depth [B,N] int32, num_nodes [B] int32), "
         "log_reach [B,N] f32, chain [B,K] int64, chain_len [B] int64, chain_log_reach [B,K] f32 -> "
         "[tokens, parents, depth, num_nodes, log_reach (width N+K), chain_nodes [B,K] int64]",

@@ -140,15 +140,31 @@ Proposal root_proposal(const at::Tensor& roots) {
                   at::ones({B}, at::kInt), at::zeros({B, 1}, at::kFloat)};
 }
 
+// p with chain [B, K] grafted in (taps::graft_chain): width N + K; nodes [B, K] receives each chain token's node.
+Proposal graft(const Proposal& p, const at::Tensor& chain, const at::Tensor& chain_len, const at::Tensor& chain_reach,
+               at::Tensor& nodes) {
+  const int64_t B = p.tokens.size(0), N = p.tokens.size(1), K = chain.size(1), W = N + K;
+  const at::Tensor ch = chain.contiguous();
+  Proposal g{at::empty({B, W}, at::kLong), at::empty({B, W}, at::kInt), at::empty({B, W}, at::kInt),
+             at::empty({B}, at::kInt), at::empty({B, W}, at::kFloat)};
+  taps::graft_chain(p.tokens.data_ptr<int64_t>(), p.parents.data_ptr<int32_t>(), p.depth.data_ptr<int32_t>(),
+                    p.num_nodes.data_ptr<int32_t>(), p.log_reach.data_ptr<float>(), B, N, ch.data_ptr<int64_t>(),
+                    chain_len.data_ptr<int64_t>(), chain_reach.data_ptr<float>(), K, g.tokens.data_ptr<int64_t>(),
+                    g.parents.data_ptr<int32_t>(), g.depth.data_ptr<int32_t>(), g.num_nodes.data_ptr<int32_t>(),
+                    g.log_reach.data_ptr<float>(), nodes.data_ptr<int64_t>());
+  return g;
+}
+
 // tokens [B] i64, depth_cap [B] i64 or None; the draft (logits [B,D,V] f32, vocab_ids [V] i64 or None, top_k,
 // pool_size, scorer fields or None, ln_eps, token_embeddings [V',E], drafter_hidden [B,D,H] f32) or logits None;
-// the lookup (history [B,C] i64, lengths [B] i64, num_tokens, max_ngram, log_q [max_ngram+1] f32) or history None;
-// the throughput rule (max_nodes, table, plain_seconds, rows).
+// the lookup (history [B,C] i64, lengths [B] i64, num_tokens, max_ngram, log_q [max_ngram+1] f32, log_s
+// [max_ngram+1] f32 or None: no sibling grafted) or history None; the throughput rule (max_nodes, table,
+// plain_seconds, rows).
 // -> ([tokens [B,M] i64, parents [B,M] i32, depth [B,M] i32, num_nodes [B] i32, pool_index [B,M] i64,
-//      num_selected [B] i32, expected [B] f32, chain [B, 3+K] i64 (match length, chain length, chain nodes kept,
-//      the chain;
-//      [B,0] without lookup)], [seconds of pool, scoring, lookup, selection]), M = max_nodes + 1. The seconds are
-//      host floats, not a tensor: reading them back is no device read.
+//      num_selected [B] i32, expected [B] f32, chain [B, 5+K] i64 (match length, chain length, chain nodes kept,
+//      sibling (-1: none), sibling kept, the chain; [B,0] without lookup)], [seconds of pool, scoring, lookup,
+//      selection]), M = max_nodes + 1. The seconds are host floats, not a tensor: reading them back is no device
+//      read.
 using RoundOut = std::pair<std::vector<at::Tensor>, std::vector<double>>;
 
 RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tensor>& depth_cap,
@@ -157,7 +173,8 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
                      double ln_eps, const std::optional<at::Tensor>& token_embeddings,
                      const std::optional<at::Tensor>& drafter_hidden, const std::optional<at::Tensor>& history,
                      const std::optional<at::Tensor>& lengths, int64_t num_tokens, int64_t max_ngram,
-                     const std::optional<at::Tensor>& log_q, int64_t max_nodes, const at::Tensor& table,
+                     const std::optional<at::Tensor>& log_q, const std::optional<at::Tensor>& log_s,
+                     int64_t max_nodes, const at::Tensor& table,
                      double plain_seconds, int64_t rows) {
   check_arg(root_tokens, "root_tokens", {at::kLong}, {-1});
   const int64_t B = root_tokens.size(0);
@@ -217,7 +234,7 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
 
   // the lookup's inputs
   const bool lookup = history.has_value() && history->defined();
-  at::Tensor hist, lens, logq_n;
+  at::Tensor hist, lens, logq_n, logs_n;
   if (lookup) {
     check_arg(*history, "history", {at::kLong}, {B, -1});
     hist = history->contiguous();
@@ -241,6 +258,10 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
     }
     check_arg(*log_q, "log_q", {at::kFloat}, {max_ngram + 1});
     logq_n = log_q->contiguous();
+    if (log_s.has_value() && log_s->defined()) {
+      check_arg(*log_s, "log_s", {at::kFloat}, {max_ngram + 1});
+      logs_n = log_s->contiguous();
+    }
   }
 
   py::gil_scoped_release no_gil;
@@ -251,13 +272,15 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
                        : root_proposal(roots);
   Clock::time_point t = Clock::now();
   const int64_t K = lookup ? num_tokens : 0;
-  at::Tensor chain, chain_nodes, ngram, chain_len;
+  at::Tensor chain, chain_nodes, ngram, chain_len, sibling, sibling_node;
   if (lookup) {
     chain = at::empty({B, K}, at::kLong);
     chain_len = at::empty({B}, at::kLong);
     ngram = at::empty({B}, at::kLong);
+    sibling = at::empty({B}, at::kLong);
     taps::lookup_chain(hist.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B, hist.size(1), K, max_ngram,
-                       chain.data_ptr<int64_t>(), chain_len.data_ptr<int64_t>(), ngram.data_ptr<int64_t>());
+                       chain.data_ptr<int64_t>(), chain_len.data_ptr<int64_t>(), ngram.data_ptr<int64_t>(),
+                       sibling.data_ptr<int64_t>());
     // chain token k of a row matched on n tokens: (k + 1) * log q_n in float32 (LookupChain's rule)
     at::Tensor chain_reach = at::empty({B, K}, at::kFloat);
     const float* lq = logq_n.data_ptr<float>();
@@ -266,16 +289,17 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t k = 0; k < K; ++k) cr[b * K + k] = lq[ng[b]] * static_cast<float>(k + 1);
     }
-    const int64_t N = p.tokens.size(1), W = N + K;
-    Proposal g{at::empty({B, W}, at::kLong), at::empty({B, W}, at::kInt), at::empty({B, W}, at::kInt),
-               at::empty({B}, at::kInt), at::empty({B, W}, at::kFloat)};
     chain_nodes = at::empty({B, K}, at::kLong);
-    taps::graft_chain(p.tokens.data_ptr<int64_t>(), p.parents.data_ptr<int32_t>(), p.depth.data_ptr<int32_t>(),
-                      p.num_nodes.data_ptr<int32_t>(), p.log_reach.data_ptr<float>(), B, N, chain.data_ptr<int64_t>(),
-                      chain_len.data_ptr<int64_t>(), chain_reach.data_ptr<float>(), K, g.tokens.data_ptr<int64_t>(),
-                      g.parents.data_ptr<int32_t>(), g.depth.data_ptr<int32_t>(), g.num_nodes.data_ptr<int32_t>(),
-                      g.log_reach.data_ptr<float>(), chain_nodes.data_ptr<int64_t>());
-    p = g;
+    p = graft(p, chain, chain_len, chain_reach, chain_nodes);
+    if (logs_n.defined()) {  // the sibling: a one-token chain under the root with log reach log s_n
+      at::Tensor one = sibling.clamp_min(0).view({B, 1}), one_len = sibling.ge(0).to(at::kLong),
+                 one_reach = at::empty({B, 1}, at::kFloat);
+      const float* ls = logs_n.data_ptr<float>();
+      float* sr = one_reach.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b) sr[b] = ls[ng[b]];
+      sibling_node = at::empty({B, 1}, at::kLong);
+      p = graft(p, one, one_len, one_reach, sibling_node);
+    }
     seconds[2] = since(t);
   }
 
@@ -309,27 +333,26 @@ RoundOut build_round(const at::Tensor& root_tokens, const std::optional<at::Tens
                               static_cast<int32_t>(M), ot + b * M, op + b * M, od + b * M, new_of_old.data());
     on[b] = ns[b] + 1;
   }
-  at::Tensor aux = at::empty({B, lookup ? 3 + K : 0}, at::kLong);
-  if (lookup) {  // per row: match length, chain length, how many chain nodes the selection kept, the chain
+  constexpr int64_t H = 5;  // the aux header: match length, chain length, chain kept, sibling, sibling kept
+  at::Tensor aux = at::empty({B, lookup ? H + K : 0}, at::kLong);
+  if (lookup) {
     int64_t* a = aux.data_ptr<int64_t>();
     const int64_t *cn = chain_nodes.data_ptr<int64_t>(), *ch = chain.data_ptr<int64_t>(),
-                  *ng = ngram.data_ptr<int64_t>(), *cl = chain_len.data_ptr<int64_t>();
+                  *ng = ngram.data_ptr<int64_t>(), *cl = chain_len.data_ptr<int64_t>(),
+                  *sb = sibling.data_ptr<int64_t>();
+    const int64_t* sn = sibling_node.defined() ? sibling_node.data_ptr<int64_t>() : nullptr;
     for (int64_t b = 0; b < B; ++b) {
-      int64_t kept = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        if (cn[b * K + k] < 0) continue;
-        for (int64_t j = 0; j < M; ++j) {
-          if (pi[b * M + j] == cn[b * K + k]) {
-            ++kept;
-            break;
-          }
-        }
-      }
-      int64_t* row = a + b * (3 + K);
+      const int64_t* kept_row = pi + b * M;
+      auto kept = [&](int64_t node) { return node >= 0 && std::find(kept_row, kept_row + M, node) != kept_row + M; };
+      int64_t chain_kept = 0;
+      for (int64_t k = 0; k < K; ++k) chain_kept += kept(cn[b * K + k]);
+      int64_t* row = a + b * (H + K);
       row[0] = ng[b];
       row[1] = cl[b];
-      row[2] = kept;
-      for (int64_t k = 0; k < K; ++k) row[3 + k] = ch[b * K + k];
+      row[2] = chain_kept;
+      row[3] = sb[b];
+      row[4] = sn != nullptr && kept(sn[b]);
+      for (int64_t k = 0; k < K; ++k) row[H + k] = ch[b * K + k];
     }
   }
   seconds[3] = since(t);
@@ -406,12 +429,12 @@ void register_round(py::module& m) {
   m.def("build_round", &build_round,
         "one round's tree: pool -> scorer reach -> lookup graft -> throughput rule -> re-index (see "
         "taps_kernels.ops.build) -> ([tokens, parents, depth, num_nodes, pool_index, num_selected, expected, chain "
-        "[B, 3+K] i64], [seconds of pool, scoring, lookup, selection])",
+        "[B, 5+K] i64], [seconds of pool, scoring, lookup, selection])",
         py::arg("root_tokens"), py::arg("depth_cap"), py::arg("draft_logits"), py::arg("vocab_ids"), py::arg("top_k"),
         py::arg("pool_size"), py::arg("weights"), py::arg("ln_eps"), py::arg("token_embeddings"),
         py::arg("drafter_hidden"), py::arg("history"), py::arg("lengths"), py::arg("num_tokens"),
-        py::arg("max_ngram"), py::arg("log_q"), py::arg("max_nodes"), py::arg("table"), py::arg("plain_seconds"),
-        py::arg("rows"));
+        py::arg("max_ngram"), py::arg("log_q"), py::arg("log_s"), py::arg("max_nodes"), py::arg("table"),
+        py::arg("plain_seconds"), py::arg("rows"));
   m.def("stash_rows", &stash_rows,
         "the drafter's kept context in place: pending_features[row0 + b, pending + j] = ctx_features[b, path[b, j] "
         "(-1: 0)] for j < T, then pending and lengths += counts (DrafterInference.append_context)",

@@ -129,7 +129,8 @@ def rows_linear_cpp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 @register("lookup_chain", "cpp")
 def lookup_chain_cpp(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: int, max_ngram: int):
-    """``tokens [B,C] int64, lengths [B] int64`` -> ``(chain [B,K] int64, chain_len [B] int64, ngram [B] int64)``."""
+    """``tokens [B,C] int64, lengths [B] int64`` -> ``(chain [B,K] int64, chain_len [B] int64, ngram [B] int64,
+    sibling [B] int64)``."""
     return tuple(_C.lookup_chain(tokens, lengths, num_tokens, max_ngram))
 
 
@@ -145,7 +146,7 @@ def graft_chain_cpp(tree, log_reach: torch.Tensor, chain: torch.Tensor, chain_le
 @register("build_tree", "cpp")
 def build_tree_cpp(root_tokens, depth_cap, draft, scorer, token_embeddings, lookup, max_nodes: int,
                    table: torch.Tensor, plain_seconds: float, rows: int):
-    """Arguments as :func:`taps_kernels.reference.build.build_tree_reference` -> ``(Selection, chain [B, 3+K] int64 or
+    """Arguments as :func:`taps_kernels.reference.build.build_tree_reference` -> ``(Selection, chain [B, 5+K] int64 or
     None, {stage: seconds})``: the stages through the routines of their own ops, in one call."""
     from .layout import Selection
     from .ops.build import STAGES
@@ -158,8 +159,8 @@ def build_tree_cpp(root_tokens, depth_cap, draft, scorer, token_embeddings, look
         1 if d is None else d.top_k, 1 if d is None else d.pool_size, weights, eps, token_embeddings,
         None if d is None else d.hidden, None if lookup is None else lookup.history,
         None if lookup is None else lookup.lengths, 0 if lookup is None else lookup.num_tokens,
-        1 if lookup is None else lookup.max_ngram, None if lookup is None else lookup.log_q, max_nodes, table,
-        plain_seconds, rows)
+        1 if lookup is None else lookup.max_ngram, None if lookup is None else lookup.log_q,
+        None if lookup is None else lookup.log_s, max_nodes, table, plain_seconds, rows)
     (tokens, parents, depth, num_nodes, pool_index, num_selected, expected, chain), seconds = out
     sel = Selection(Tree(tokens, parents, depth, num_nodes), pool_index, num_selected, expected)
     return sel, (chain if lookup is not None else None), dict(zip(STAGES, seconds))

@@ -43,9 +43,10 @@ def case(seed, B, D, V, pool_size, top_k, scorer_kind, with_lookup, with_cap, wi
         lengths = torch.randint(0, C + 1, (B,), generator=g)
         lengths[-1] = 0
         log_q = torch.tensor([0.0, -0.3, -0.9, float("-inf")])
-        lookup = LookupProposal(history, lengths, K, 3, log_q)
+        log_s = torch.tensor([0.0, -0.5, -0.2, -2.0]) if seed != 2 else None  # seed 2: no sibling grafted
+        lookup = LookupProposal(history, lengths, K, 3, log_q, log_s)
     cap = torch.randint(0, D + 2, (B,), generator=g) if with_cap else None
-    table = torch.cumsum(torch.rand(B * (pool_size + K) + 3, generator=g, dtype=torch.float64) * 1e-3, 0) + 5e-3
+    table = torch.cumsum(torch.rand(B * (pool_size + K + 1) + 3, generator=g, dtype=torch.float64) * 1e-3, 0) + 5e-3
     rule = ThroughputRule(table, 6e-3, B)
     return dict(draft=draft, scorer=scorer, token_embeddings=emb if scorer_kind == "full" else None, lookup=lookup,
                 depth_cap=cap), roots, rule
@@ -64,16 +65,24 @@ def by_parts(roots, max_nodes, rule, draft, scorer, token_embeddings, lookup, de
         log_reach = torch.zeros(B, 1)
     chain_cols = None
     if lookup is not None:
-        chain, chain_len, ngram = tk.lookup_chain(lookup.history, lookup.lengths, lookup.num_tokens, lookup.max_ngram)
+        chain, chain_len, ngram, sibling = tk.lookup_chain(lookup.history, lookup.lengths, lookup.num_tokens,
+                                                           lookup.max_ngram)
         depth = torch.arange(1, lookup.num_tokens + 1, dtype=torch.float32)
         tree, log_reach, nodes = tk.graft_chain(tree, log_reach, chain, chain_len,
                                                 lookup.log_q[ngram][:, None] * depth[None, :])
+        sibling_node = torch.full((tree.tokens.shape[0], 1), -1)
+        if lookup.log_s is not None:
+            tree, log_reach, sibling_node = tk.graft_chain(tree, log_reach, sibling.clamp(min=0)[:, None],
+                                                           (sibling >= 0).long(), lookup.log_s[ngram][:, None])
     if depth_cap is not None:
         log_reach = log_reach.masked_fill(tree.depth.long() > depth_cap[:, None], float("-inf"))
     sel = tk.select_subtree(tree, log_reach, max_nodes, rule=rule)
     if lookup is not None:
-        kept = ((nodes[:, :, None] == sel.pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)
-        chain_cols = torch.cat([ngram[:, None], chain_len[:, None], kept[:, None], chain], 1)
+        def kept(n):
+            return ((n[:, :, None] == sel.pool_index[:, None, :]).any(-1) & (n >= 0)).sum(1, keepdim=True)
+
+        chain_cols = torch.cat([ngram[:, None], chain_len[:, None], kept(nodes), sibling[:, None], kept(sibling_node),
+                                chain], 1)
     return sel, chain_cols
 
 
@@ -170,6 +179,9 @@ def test_composed_policy_builds_the_same_tree_in_one_call(spec):
     (lambda kw, roots: kw.update(depth_cap=torch.zeros(2, dtype=torch.int64)), r"depth_cap: expected shape \(3,\)"),
     (lambda kw, roots: kw.update(lookup=LookupProposal(kw["lookup"].history, kw["lookup"].lengths, 6, 3,
                                                        torch.zeros(3))), r"lookup.log_q: expected shape \(4,\)"),
+    (lambda kw, roots: kw.update(lookup=LookupProposal(kw["lookup"].history, kw["lookup"].lengths, 6, 3,
+                                                       torch.zeros(4), torch.zeros(4, dtype=torch.float64))),
+     "lookup.log_s: expected dtype float32"),
     (lambda kw, roots: kw["lookup"].lengths.__setitem__(0, 99), r"lookup.lengths\[0\]: expected a history length"),
     (lambda kw, roots: roots.__setitem__(1, 10 ** 6), r"root_tokens\[1\]: token 1000000 is outside"),
     (lambda kw, roots: kw["draft"].logits.__setitem__((2, 1, 3), float("nan")), r"draft_logits\[2,1\]: a NaN"),

@@ -109,11 +109,12 @@ def test_prompt_lookup_compiles_fullgraph():
     def lookup(history, committed, counts, tree_parts, log_reach, bonus, caps):
         append_history_reference(*history.buffers(3), committed, counts)
         tokens, lengths = history.rows(slice(0, 3))
-        chain, chain_len, ngram = lookup_chain(tokens, lengths, 6, 3)
+        chain, chain_len, ngram, sibling = lookup_chain(tokens, lengths, 6, 3)
         reach = torch.log(torch.full(chain.shape, 0.5)).cumsum(1)
         tree, merged_reach, nodes = graft_chain(Tree(*tree_parts), log_reach, chain, chain_len, reach)
         only = lookup_only_tree(bonus, chain, chain_len, caps)
-        return tree.tokens, tree.parents, tree.num_nodes, merged_reach, nodes, ngram, only.tokens, only.num_nodes
+        return (tree.tokens, tree.parents, tree.num_nodes, merged_reach, nodes, ngram, sibling, only.tokens,
+                only.num_nodes)
 
     def inputs():
         rng = random.Random(2)

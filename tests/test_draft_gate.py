@@ -99,26 +99,35 @@ def test_verdict_uses_the_latency_table():
 
 
 def test_verdict_weighs_the_lookup_round_of_a_policy_that_looks_up():
-    """taps-lookup's gated rounds verify the chain alone: its drafted trees are weighed against the best of those
-    rounds (the first k chain nodes by reach ``q_n ** (j + 1)``), not against a plain round."""
+    """taps-lookup's gated rounds verify the chain and its sibling alone: its drafted trees are weighed against the
+    best of those rounds (the first k of the chain nodes, reach ``q_n ** (j + 1)``, and the sibling, reach ``s_n``),
+    not against a plain round."""
     from taps.decode.policies.lookup import taps_lookup_policy
 
     latency = {"latency": [0.05 + 0.01 * n for n in range(65)], "t0": 0.022,
                "t0_parts": {"draft": 0.02, "context": 0.002}}
-    pol = taps_lookup_policy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency)
+    pol = taps_lookup_policy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=latency, sibling=True)
     pol.bind(tiny_target(0), tiny_drafter(0), torch.device("cpu"))
     acc = pol.lookup.acceptance
     acc.success[2], acc.failure[2] = 9.0, 1.0  # q_2 = 0.9
+    pol.lookup.sibling_acceptance.success[2], pol.lookup.sibling_acceptance.failure[2] = 7.0, 3.0  # s_2 = 0.7
     K = pol.lookup.num_tokens
+
+    def best(reach):  # the best first k of the undrafted round's nodes by reach
+        reach = sorted(reach, reverse=True)
+        return max((1 + sum(reach[:k])) / (0.05 + 0.01 * k) for k in range(len(reach) + 1))
+
     drafted = (1 + 0.6 + 0.5) / (0.022 + 0.07)
-    for aux, undrafted in (([0, 0, 0] + [0] * K, 1 / 0.05),  # no match: the plain round is the alternative
-                           ([2, 4, 0] + [5, 6, 7, 8] + [0] * (K - 4),  # four chain tokens after a 2-token match
-                            max((1 + sum(0.9 ** (j + 1) for j in range(k))) / (0.05 + 0.01 * k) for k in range(5)))):
+    chain4 = [0.9 ** (j + 1) for j in range(4)]
+    for aux, undrafted in (([0, 0, 0, -1, 0] + [0] * K, 1 / 0.05),  # no match: the plain round is the alternative
+                           ([2, 4, 0, -1, 0] + [5, 6, 7, 8] + [0] * (K - 4), best(chain4)),  # 4 tokens, 2-token match
+                           ([2, 4, 0, 9, 0] + [5, 6, 7, 8] + [0] * (K - 4), best(chain4 + [0.7]))):  # and a sibling
         pol.gate.reset()
         pol.observe_rows({0: None}, {0: aux})
         kept, _ = decide(pol, [0.6, 0.5])
         assert len(kept) == 3
         assert pol.gate.log_ratio == pytest.approx(pol.gate.smoothing * math.log(drafted / undrafted), rel=1e-5)
+    assert best(chain4 + [0.7]) > best(chain4)  # the sibling counts
     assert drafted * 0.05 > 1 > drafted / undrafted  # wins against a plain round, loses to the chain alone
 
 

@@ -7,15 +7,17 @@ import taps_kernels
 from helpers import load_bench_script
 
 
-def test_chain_equals_lookup_chain_on_random_histories():
+def test_chain_and_sibling_equal_lookup_chain_on_random_histories():
     st = load_bench_script("lookup_tree_study")
     rng = random.Random(0)
     for _ in range(300):
         history = [rng.randrange(6) for _ in range(rng.randrange(1, 40))]  # small vocabulary: many matches
         k = rng.randrange(1, 6)
-        op_chain, op_len, _ = taps_kernels.lookup_chain(torch.tensor([history]), torch.tensor([len(history)]), k,
-                                                        st.MAX_NGRAM)
-        assert op_chain[0, :int(op_len[0])].tolist() == st.chain(history, st.occurrences(history), k), history
+        op_chain, op_len, _, op_sibling = taps_kernels.lookup_chain(torch.tensor([history]),
+                                                                    torch.tensor([len(history)]), k, st.MAX_NGRAM)
+        found = st.occurrences(history)
+        assert op_chain[0, :int(op_len[0])].tolist() == st.chain(history, found, k), history
+        assert int(op_sibling[0]) == (st.sibling(history, found) + [-1, -1])[1], history
 
 
 def test_sibling_and_replay():

@@ -22,12 +22,14 @@ CAPABILITIES = {
     "ddtree-cost-nogate": (True, True, False, False, 15, 65),
     "lookup:5": (False, False, True, True, 5, 6),
     "lookup-cost:5": (False, False, True, True, 5, 6),
+    "lookup-cost-sibling:5": (False, False, True, False, 5, 7),  # the chain and its sibling: trees, K + 1 nodes
     "taps:16": (True, True, False, False, 8, 17),
     "taps-nogate": (True, True, False, False, 8, 65),
     "taps-tiny:12": (True, True, False, False, 8, 13),
     "taps-fixed:8": (True, True, False, False, 15, 9),
     "taps-paper": (True, True, False, False, 15, 65),
     "taps-lookup:16": (True, True, True, False, 10, 17),
+    "taps-lookup-sibling:16": (True, True, True, False, 10, 17),
 }
 
 

@@ -24,15 +24,17 @@ LATENCY = {"latency": [0.05 + 0.004 * n for n in range(17)], "t0": 0.02, "t0_par
 # --- references ---------------------------------------------------------------------------------------------------
 
 def lookup_reference(history, num_tokens, max_ngram):
-    """(chain, ngram) of one row: the latest earlier occurrence of the longest matching suffix."""
+    """(chain, ngram, sibling) of one row: the latest earlier occurrence of the longest matching suffix, and the
+    next token of the latest occurrence that continued differently (-1: none)."""
     L = len(history)
     for n in range(min(max_ngram, L - 1), 0, -1):
         suffix = history[L - n:]
         starts = [s for s in range(0, L - n) if history[s:s + n] == suffix]
         if starts:
-            s = starts[-1] + n
-            return history[s:s + num_tokens], n
-    return [], 0
+            first = history[starts[-1] + n]
+            others = [history[s + n] for s in starts if history[s + n] != first]
+            return history[starts[-1] + n:starts[-1] + n + num_tokens], n, (others[-1] if others else -1)
+    return [], 0, -1
 
 
 def graft_reference(par, tok, reach, chain, chain_reach):
@@ -77,11 +79,11 @@ def test_lookup_chain_equals_reference(B, C, K, max_ngram, vocab, backend):
         tokens = torch.full((B, C), 99, dtype=torch.int64)  # junk past each length must never be matched
         for b, r in enumerate(rows):
             tokens[b, :len(r)] = torch.tensor(r)
-        chain, chain_len, ngram = lookup_chain(tokens, torch.tensor(lengths), K, max_ngram, backend=backend)
+        chain, chain_len, ngram, sibling = lookup_chain(tokens, torch.tensor(lengths), K, max_ngram, backend=backend)
         assert chain.shape == (B, K)
         for b, r in enumerate(rows):
-            want, n = lookup_reference(r, K, max_ngram)
-            assert int(ngram[b]) == n and int(chain_len[b]) == len(want), (r, want, n)
+            want, n, sib = lookup_reference(r, K, max_ngram)
+            assert int(ngram[b]) == n and int(chain_len[b]) == len(want) and int(sibling[b]) == sib, (r, want, n)
             assert chain[b, :len(want)].tolist() == want and not chain[b, len(want):].any()
 
 
@@ -210,21 +212,27 @@ def test_lookup_only_tree_is_the_capped_chain():
 
 # --- acceptance estimate ------------------------------------------------------------------------------------------
 
-def test_acceptance_counts_the_accepted_prefix_of_the_kept_chain():
-    pol = taps_lookup_policy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
-    est = pol.lookup.acceptance
+def test_acceptance_counts_the_accepted_prefix_of_the_kept_chain_and_the_next_token_for_the_sibling():
+    pol = taps_lookup_policy(8, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY, sibling=True)
+    est, sib = pol.lookup.acceptance, pol.lookup.sibling_acceptance
     assert accepted_prefix([4, 5, 9], [4, 5, 6, 7]) == 2 and accepted_prefix([], [1]) == 0
-    # rows: match length, chain length, chain nodes kept, the chain. Row 0 proposes chain 4 5 6 7 after a 2-token
-    # match with 3 chain nodes kept; row 1 kept none
+    # rows: match length, chain length, chain nodes kept, sibling (-1: none), sibling kept, the chain. Row 0
+    # proposes chain 4 5 6 7 and sibling 8 after a 2-token match, 3 chain nodes kept; row 1 kept none, no sibling
     start = ([1.0] * 4, [2.0] * 4)  # the prior's pseudo-counts
-    pol.observe_rows({0: None, 1: None}, {0: [2, 4, 3, 4, 5, 6, 7], 1: [1, 4, 0, 9, 9, 9, 9]})
-    assert (est.success, est.failure) == start
-    pol.observe_rows({0: [4, 5, 1], 1: [9, 9]}, {0: [3, 2, 2, 1, 1, 0, 0], 1: [1, 4, 0, 0, 0, 0, 0]})
-    # 2 of 3 kept chain tokens accepted, then one rejected
+    pol.observe_rows({0: None, 1: None}, {0: [2, 4, 3, 8, 1, 4, 5, 6, 7], 1: [1, 4, 0, -1, 0, 9, 9, 9, 9]})
+    assert (est.success, est.failure) == start and (sib.success, sib.failure) == start
+    # committed: row 0 accepted 4 5, then the target said 1; row 1's target said 9
+    pol.observe_rows({0: [4, 5, 1], 1: [9]}, {0: [3, 2, 2, 7, 1, 1, 1, 0, 0], 1: [1, 4, 0, 3, 0, 0, 0, 0, 0]})
+    # 2 of 3 kept chain tokens accepted, then one rejected; the next token was not the sibling
     assert est.success[2] == pytest.approx(0.9 + 2) and est.failure[2] == pytest.approx(1.8 + 1)
-    assert est.success[1] == 1.0 and est.failure[1] == 2.0  # nothing kept: nothing learned
-    pol.observe_rows({0: [1, 1, 5]}, {0: [0, 0, 0, 0, 0, 0, 0]})
+    assert sib.success[2] == pytest.approx(0.9) and sib.failure[2] == pytest.approx(1.8 + 1)
+    assert (est.success[1], est.failure[1], sib.success[1], sib.failure[1]) == (1.0, 2.0, 1.0, 2.0)  # nothing to learn
+    # row 1's sibling 3 was not in its tree, but the target's next token tells whether it was right
+    pol.observe_rows({0: [1, 1, 5], 1: [3]}, {0: [0] * 9, 1: [0] * 9})
     assert est.success[3] == pytest.approx(0.9 + 2) and est.failure[3] == pytest.approx(1.8)
+    assert sib.success[3] == pytest.approx(0.9) and sib.failure[3] == pytest.approx(1.8 + 1)
+    assert sib.success[1] == pytest.approx(0.9 + 1) and sib.failure[1] == pytest.approx(1.8)
+    assert est.success[1] == 1.0 and est.failure[1] == 2.0
     acc = ChainAcceptance(3)
     assert acc.rate(2) == pytest.approx(1 / 3)
     acc.record(2, 3, False)
@@ -246,15 +254,16 @@ def models():
     return tiny_target(0, vocab=V), tiny_drafter(0, vocab=V)
 
 
-def taps_lookup():
-    return taps_lookup_policy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY)
+def taps_lookup(sibling=False):
+    return taps_lookup_policy(8, pool_size=16, scorer=random_scorer(False).to_weights(), top_k=8, latency=LATENCY,
+                              sibling=sibling)
 
 
 def policy_of(spec):
-    if spec == "taps-lookup":
-        return taps_lookup()
-    if spec == "lookup-cost":
-        return costed_lookup_policy(latency=LATENCY)
+    if spec.startswith("taps-lookup"):
+        return taps_lookup(sibling=spec.endswith("-sibling"))
+    if spec.startswith("lookup-cost"):
+        return costed_lookup_policy(latency=LATENCY, sibling=spec.endswith("-sibling"))
     return make_policy(spec)
 
 
@@ -274,7 +283,8 @@ def repetitive_requests(target, n, seed):
     return out
 
 
-@pytest.mark.parametrize("spec", ["lookup", "lookup:3", "taps-lookup", "lookup-cost"])
+@pytest.mark.parametrize("spec", ["lookup", "lookup:3", "taps-lookup", "lookup-cost", "taps-lookup-sibling",
+                                  "lookup-cost-sibling"])
 def test_lookup_policies_equal_hf_generate(models, spec):
     target, drafter = models
     for req, ref in repetitive_requests(target, 8, seed=3):
@@ -285,20 +295,26 @@ def test_lookup_policies_equal_hf_generate(models, spec):
 
 
 @pytest.mark.parametrize("attention", ["taps_tree", "sdpa"])
-@pytest.mark.parametrize("spec", ["lookup:4", "taps-lookup", "lookup-cost"])
+@pytest.mark.parametrize("spec", ["lookup:4", "taps-lookup", "lookup-cost", "lookup-cost-sibling"])
 def test_lookup_policies_batched(models, spec, attention):
     """Rows of a batch, requests joining as rows free up: each request gets its own greedy output, and the
-    chains (several tokens per round on these prompts) really were accepted."""
+    chains (several tokens per round on these prompts) really were accepted; with the sibling the trees branch at
+    the root."""
     target, drafter = models
     reqs = repetitive_requests(target, 7, seed=8)
     policy = policy_of(spec)
     dec = BatchDecoder(target, policy, drafter=drafter if policy.uses_drafter else None, max_batch=3,
                        attention=attention)
+    sibling_rows, observe = [], policy.observe_rows
+    policy.observe_rows = lambda accepted, aux: (sibling_rows.extend(aux.values()), observe(accepted, aux))
     got = dec.generate_batch([r for r, _ in reqs])
     assert [g.token_ids for g in got] == [ref for _, ref in reqs]
     assert max(r.accept_len for g in got for r in g.stats.rounds) > 2
     if spec != "lookup:4":  # the estimate learned from the target's verdicts (it starts at 1 and 2 per length)
         assert sum(policy.lookup.acceptance.success) + sum(policy.lookup.acceptance.failure) != 3.0 * 4
+    if spec.endswith("-sibling"):  # siblings were found, verified (trees that branch at the root) and learned from
+        assert not policy.chain_trees and any(row[4] == 1 for row in sibling_rows)
+        assert sum(policy.lookup.sibling_acceptance.success) + sum(policy.lookup.sibling_acceptance.failure) != 12
 
 
 def test_failed_round_restores_the_history(models, monkeypatch):

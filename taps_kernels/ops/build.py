@@ -24,6 +24,8 @@ from .select import ThroughputRule
 
 #: Stage names of :attr:`BuiltRound.seconds`, in order.
 STAGES = ("pool", "scoring", "lookup", "selection")
+#: The leading columns of :attr:`BuiltRound.chain`, per row; the chain follows them.
+CHAIN_HEADER = ("ngram", "chain_len", "chain_kept", "sibling", "sibling_kept")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class DraftProposal:
 
 @dataclass(frozen=True)
 class LookupProposal:
-    """The prompt-lookup side of a round (:func:`lookup_chain`).
+    """The prompt-lookup side of a round (:func:`lookup_chain`): the chain, and with ``log_s`` its sibling.
 
     Fields:
         history: ``[B, C] int64`` committed tokens; row ``b``'s are ``history[b, :lengths[b]]``.
@@ -56,6 +58,8 @@ class LookupProposal:
         max_ngram: longest suffix matched (``>= 1``).
         log_q: ``[max_ngram + 1] float32``: chain token ``k`` of a row matched on ``n`` tokens has log reach
             ``(k + 1) * log_q[n]`` (entry 0, no match, is not read for a chain: such rows have none).
+        log_s: ``[max_ngram + 1] float32`` or None: the sibling of a row matched on ``n`` tokens is grafted under the
+            root with log reach ``log_s[n]``; None: no sibling is grafted.
     """
 
     history: torch.Tensor
@@ -63,6 +67,7 @@ class LookupProposal:
     num_tokens: int
     max_ngram: int
     log_q: torch.Tensor
+    log_s: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -73,8 +78,9 @@ class BuiltRound:
         selection: the tree to verify (``[B, max_nodes + 1]``, pool order kept, root first), ``pool_index``,
             ``num_selected`` and ``expected`` as :func:`select_subtree` with a :class:`ThroughputRule` gives them
             (pool indices refer to the pool with the chain grafted in).
-        chain: ``[B, 3 + K] int64`` per row: the match length, the chain's length, how many chain nodes the
-            selection kept, the chain (0 past its end); None without a lookup.
+        chain: ``[B, 5 + K] int64`` per row (:data:`CHAIN_HEADER`): the match length, the chain's length, how many
+            chain nodes the selection kept, the sibling (-1: none; reported even when not grafted), whether the
+            selection kept it (0 / 1), then the chain (0 past its end); None without a lookup.
         seconds: wall seconds per stage (:data:`STAGES`; 0 for a stage that did not run); the reference leaves it
             empty.
     """
@@ -167,6 +173,8 @@ def _check_lookup(lookup: LookupProposal, B: int, dev: torch.device) -> None:
     check_int("lookup.num_tokens", lookup.num_tokens, minimum=0)
     n = check_int("lookup.max_ngram", lookup.max_ngram)
     check_tensor("lookup.log_q", lookup.log_q, dtypes=(torch.float32,), shape=(n + 1,), device=dev)
+    if lookup.log_s is not None:
+        check_tensor("lookup.log_s", lookup.log_s, dtypes=(torch.float32,), shape=(n + 1,), device=dev)
 
 
 def _check_values(root_tokens: torch.Tensor, draft: Optional[DraftProposal], lookup: Optional[LookupProposal]) -> None:

@@ -25,12 +25,14 @@ def check_length_values(lengths: torch.Tensor, C: int, name: str = "lengths") ->
 
 def lookup_chain(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM,
                  backend: Optional[str] = None, validate: Optional[str] = None
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prompt-lookup continuation of every row.
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompt-lookup continuation of every row, and the sibling of its first token.
 
     For ``n = min(max_ngram, C - 1) .. 1`` (the longest that matches wins), the row's last ``n`` tokens are
     searched in its earlier tokens; of the occurrences (each with at least one token after it) the latest is
     used, and the chain is the up to ``num_tokens`` tokens that followed it (fewer when the history ends first).
+    The sibling is the token after the latest occurrence (of the same ``n`` tokens) whose next token differs from
+    the chain's first: a second guess for the first token, worth a node where the history went two ways.
 
     Args:
         tokens: ``[B, C] int64``; row b's history is ``tokens[b, :lengths[b]]`` (any token values).
@@ -41,7 +43,9 @@ def lookup_chain(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: int, m
             on any device, ``"none"`` never (:mod:`taps_kernels._checks`).
     Returns:
         ``chain [B, K] int64`` (0 past the end), ``chain_len [B] int64``, ``ngram [B] int64``: the matched suffix
-        length, 0 when nothing matched (then ``chain_len`` is 0).
+        length, 0 when nothing matched (then ``chain_len`` is 0), ``sibling [B] int64``: -1 when there is none (a
+        history of token ids, which are never negative, keeps this unambiguous). The sibling does not depend on
+        ``num_tokens``.
     """
     dev = check_data_device("tokens", tokens)
     tokens = check_tensor("tokens", tokens, dtypes=(torch.int64,), ndim=2)

@@ -7,7 +7,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..layout import CandidatePool, Selection, Tree
-from .lookup import graft_chain_reference, lookup_chain_reference
+from .lookup import count_kept, graft_chain_reference, lookup_chain_reference
 from .pool import best_first_pool_reference, topk_stats_reference
 from .score import score_edges_reference
 from .select import reindex_subtree_reference, select_throughput_reference
@@ -34,7 +34,7 @@ def chain_log_reach_reference(ngram: torch.Tensor, log_q: torch.Tensor, num_toke
 def build_tree_reference(root_tokens: torch.Tensor, depth_cap: Optional[torch.Tensor], draft, scorer,
                          token_embeddings: Optional[torch.Tensor], lookup, max_nodes: int, table: torch.Tensor,
                          plain_seconds: float, rows: int) -> Tuple[Selection, Optional[torch.Tensor], Dict[str, float]]:
-    """``(Selection with expected, chain [B, 3 + K] int64 or None, {})`` (no stage times); arguments as
+    """``(Selection with expected, chain [B, 5 + K] int64 or None, {})`` (no stage times); arguments as
     :func:`taps_kernels.build_tree` (``draft``: a :class:`~taps_kernels.ops.build.DraftProposal` or None, ``lookup``:
     a :class:`~taps_kernels.ops.build.LookupProposal` or None)."""
     B = root_tokens.shape[0]
@@ -52,16 +52,21 @@ def build_tree_reference(root_tokens: torch.Tensor, depth_cap: Optional[torch.Te
         log_reach = torch.zeros(B, 1, dtype=torch.float32)
     chain_aux = None
     if lookup is not None:
-        chain, chain_len, ngram = lookup_chain_reference(lookup.history, lookup.lengths, lookup.num_tokens,
-                                                         lookup.max_ngram)
+        chain, chain_len, ngram, sibling = lookup_chain_reference(lookup.history, lookup.lengths, lookup.num_tokens,
+                                                                  lookup.max_ngram)
         tree, log_reach, nodes = graft_chain_reference(
             tree, log_reach, chain, chain_len, chain_log_reach_reference(ngram, lookup.log_q, lookup.num_tokens))
+        sibling_node = torch.full((B, 1), -1, dtype=torch.int64)
+        if lookup.log_s is not None:
+            tree, log_reach, sibling_node = graft_chain_reference(
+                tree, log_reach, sibling.clamp(min=0)[:, None], (sibling >= 0).long(),
+                lookup.log_s.float()[ngram][:, None])
     if depth_cap is not None:
         log_reach = log_reach.masked_fill(tree.depth.long() > depth_cap.long()[:, None], float("-inf"))
     pool_index, num_selected, expected = select_throughput_reference(
         tree.parents, tree.depth, tree.num_nodes, log_reach.float(), max_nodes, table, plain_seconds, rows)
     sub = reindex_subtree_reference(tree.tokens, tree.parents, tree.depth, tree.num_nodes, pool_index, num_selected)
     if lookup is not None:
-        kept = ((nodes[:, :, None] == pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)
-        chain_aux = torch.cat([ngram[:, None], chain_len[:, None], kept[:, None], chain], 1)
+        chain_aux = torch.cat([ngram[:, None], chain_len[:, None], count_kept(nodes, pool_index)[:, None],
+                               sibling[:, None], count_kept(sibling_node, pool_index)[:, None], chain], 1)
     return Selection(Tree(*sub), pool_index, num_selected, expected), chain_aux, {}

@@ -12,12 +12,13 @@ from ..layout import Tree
 
 
 def lookup_chain_reference(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
-                           max_ngram: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prompt-lookup continuation of every row.
+                           max_ngram: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompt-lookup continuation of every row, and the sibling of its first token.
 
     For ``n = max_ngram .. 1`` (the longest that matches wins), the row's last ``n`` tokens are searched in its
     earlier tokens; of the occurrences the latest is used (recent text predicts the next tokens best), and the
-    chain is the up to ``num_tokens`` tokens that followed it (fewer when the history ends first).
+    chain is the up to ``num_tokens`` tokens that followed it (fewer when the history ends first). The sibling is
+    the token after the latest occurrence (of the same ``n`` tokens) whose next token differs from the chain's first.
 
     Args:
         tokens: ``[B, C] int64``; row b's history is ``tokens[b, :lengths[b]]``.
@@ -25,14 +26,15 @@ def lookup_chain_reference(tokens: torch.Tensor, lengths: torch.Tensor, num_toke
         num_tokens: ``K``, the longest chain.
         max_ngram: longest suffix matched.
     Returns:
-        ``(chain [B, K] int64 (0 past the end), chain_len [B] int64, ngram [B] int64)``: ``ngram`` is the matched
-        suffix length, 0 when nothing matched (``chain_len`` 0).
+        ``(chain [B, K] int64 (0 past the end), chain_len [B] int64, ngram [B] int64, sibling [B] int64)``:
+        ``ngram`` is the matched suffix length, 0 when nothing matched (``chain_len`` 0); ``sibling`` -1 when none.
     """
     B, C = tokens.shape
     dev = tokens.device
     lengths = lengths.to(torch.int64)
     cont = torch.full((B,), -1, dtype=torch.int64, device=dev)  # where the continuation starts
     ngram = torch.zeros(B, dtype=torch.int64, device=dev)
+    sibling = torch.full((B,), -1, dtype=torch.int64, device=dev)
     for n in range(min(max_ngram, C - 1), 0, -1):
         suffix = tokens.gather(1, (lengths[:, None] - n + torch.arange(n, device=dev)).clamp(0, C - 1))
         hit = (tokens.unfold(1, n, 1) == suffix[:, None, :]).all(-1)  # [B, C - n + 1]: window starting at s
@@ -41,12 +43,16 @@ def lookup_chain_reference(tokens: torch.Tensor, lengths: torch.Tensor, num_toke
         hit &= s + n < lengths[:, None]
         latest = torch.where(hit, s, torch.full_like(s, -1)).max(1).values
         take = (ngram == 0) & (latest >= 0)
+        nxt = tokens.gather(1, (s + n).clamp(max=C - 1).expand(B, -1))  # the token after window s
+        first = nxt.gather(1, latest.clamp(min=0)[:, None])
+        other = torch.where(hit & (nxt != first), s, torch.full_like(s, -1)).max(1).values
+        sibling = torch.where(take & (other >= 0), nxt.gather(1, other.clamp(min=0)[:, None])[:, 0], sibling)
         cont = torch.where(take, latest + n, cont)
         ngram = torch.where(take, torch.full_like(ngram, n), ngram)
     at = cont[:, None] + torch.arange(num_tokens, device=dev)[None, :]
     valid = (ngram[:, None] > 0) & (at < lengths[:, None])
     chain = torch.where(valid, tokens.gather(1, at.clamp(0, C - 1)), torch.zeros_like(at))
-    return chain, valid.sum(1), ngram
+    return chain, valid.sum(1), ngram, sibling
 
 
 def graft_chain_reference(tree: Tree, log_reach: torch.Tensor, chain: torch.Tensor, chain_len: torch.Tensor,
@@ -95,3 +101,8 @@ def graft_chain_reference(tree: Tree, log_reach: torch.Tensor, chain: torch.Tens
         nodes.append(torch.where(live[:, 0], child, torch.full_like(child, -1)))
     chain_nodes = torch.stack(nodes, 1) if nodes else torch.zeros(B, 0, dtype=torch.int64, device=dev)
     return Tree(tokens, parents, depth, num.to(tree.num_nodes.dtype)), reach, chain_nodes
+
+
+def count_kept(nodes: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
+    """``[B] int64``: how many of ``nodes [B, K]`` (-1: none) the selection ``pool_index [B, M]`` holds."""
+    return ((nodes[:, :, None] == pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)

@@ -526,7 +526,7 @@ class BatchDecoder:
         self._pending = pad_tree(nxt, nxt.tokens.shape[1]) if B == self.max_batch else self._merge_pending(nxt, B)
         live = [b for b in range(B) if rows[b] is not None]
         if host.aux is not None:
-            self.policy.observe_rows({b: host.committed[b][:host.accept_len[b] - 1] for b in live},
+            self.policy.observe_rows({b: host.committed[b][:host.accept_len[b]] for b in live},
                                      {b: host.aux[b] for b in live})
         if drafted:
             exp = [host.expected[b] for b in live] if host.expected is not None else None

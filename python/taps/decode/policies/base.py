@@ -128,8 +128,8 @@ class TreePolicy:
 
     def observe_rows(self, accepted: Dict[int, Optional[List[int]]], aux: Dict[int, List[int]]) -> None:
         """Host-side feedback after every read that carried :attr:`BuiltTree.aux`, per running row index: the
-        drafted tokens the target accepted from the tree the row verified in this round (None when the row
-        just joined), and the aux columns of the tree it verifies next."""
+        tokens the row committed in this round (the accepted nodes of the tree it verified, then the target's next
+        token; None when the row just joined), and the aux columns of the tree it verifies next."""
 
     def build(self, draft_logits: Optional[torch.Tensor], draft_hidden: Optional[torch.Tensor], bonus: torch.Tensor,
               depth_cap: Optional[torch.Tensor] = None, timer=None, rows: Optional[int] = None) -> BuiltTree:

@@ -8,7 +8,8 @@ One round of :meth:`ComposedPolicy.build`::
     size rule (ThroughputSize / TopReach / UtilitySize) -> the tree to verify ["selection"]
 
 What the loop asks of a policy follows from the parts: a drafter only with a draft pool (which also maps a
-reduced draft vocabulary), committed-token history only with a lookup chain, chains only without a pool.
+reduced draft vocabulary), committed-token history only with a lookup chain, chains only without a pool and
+without the chain's sibling.
 The gate (:class:`.gate.DraftGate`) needs the throughput rule: it records that rule's expected rate of each
 drafted round. The registered recipes: ``taps*`` (:mod:`.taps`), ``ddtree-cost*`` (:mod:`.ddtree_cost`),
 ``taps-lookup`` and ``lookup-cost`` (:mod:`.lookup`).
@@ -56,7 +57,7 @@ class ComposedPolicy(TreePolicy):
         self.uses_drafter = draft is not None
         self.handles_draft_vocab = draft is not None
         self.wants_history = lookup is not None
-        self.chain_trees = draft is None
+        self.chain_trees = draft is None and (lookup is None or not lookup.sibling)  # a sibling branches the root
         self._bound = False
 
     def draft_positions(self, num_positions: int) -> int:

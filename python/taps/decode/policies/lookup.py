@@ -12,6 +12,9 @@
   keeps chain nodes exactly while they pay for their verify time, like any other node. Rounds where the gate
   skips the drafter still verify the chain (lookup costs no drafter pass).
 * ``lookup-cost[:K]``: the chain alone, no drafter, sized by that same rule (a costed ``lookup``).
+* ``taps-lookup-sibling[:N]``, ``lookup-cost-sibling[:K]``: the same with the sibling of the chain's first token
+  (the next token of the latest occurrence that continued differently) as a second child of the root, reach
+  ``s_n``: the measured rate at which the target's next token was the sibling.
 """
 from __future__ import annotations
 
@@ -51,15 +54,15 @@ class PromptLookupPolicy(TreePolicy):
     def build(self, draft_logits, draft_hidden, bonus, depth_cap=None, timer=None, rows=None, history=None):
         tokens, lengths = history_of(self.name, history)
         with (timer or NO_TIMER)("lookup"):
-            chain, chain_len, _ = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram, validate=IN_ROUND)
+            chain, chain_len, _, _ = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram, validate=IN_ROUND)
             return BuiltTree(lookup_only_tree(bonus, chain, chain_len, depth_cap))
 
 
 def taps_lookup_policy(max_nodes: int = DEFAULT_CAP, num_tokens: int = DEFAULT_LOOKUP_TOKENS,
                        max_ngram: int = DEFAULT_MAX_NGRAM, pool_size: Optional[int] = None, scorer=None, top_k=None,
                        latency=None, gate: bool = True, max_depth: Optional[int] = DEFAULT_MAX_DEPTH,
-                       tiny: bool = False) -> ComposedPolicy:
-    """TAPS's throughput rule over the scored pool with the prompt-lookup chain grafted in.
+                       tiny: bool = False, sibling: bool = False) -> ComposedPolicy:
+    """TAPS's throughput rule over the scored pool with the prompt-lookup chain (and its sibling) grafted in.
 
     Args:
         max_nodes: node cap ``N`` (non-root nodes per row).
@@ -68,26 +71,30 @@ def taps_lookup_policy(max_nodes: int = DEFAULT_CAP, num_tokens: int = DEFAULT_L
         pool_size, scorer, top_k, tiny, max_depth: the scored pool's (:func:`.taps.taps_policy`).
         latency: optional latency table dict (default: measured/cached for the bound target).
         gate: skip the drafter after rounds predicted to lose (the chain is verified in skipped rounds too).
+        sibling: graft the sibling of the chain's first token too (:class:`.sources.LookupChain`).
     """
     check_lookup_args("taps-lookup", num_tokens, max_ngram)
     pool, reach = scorer_pool(max_nodes, pool_size, tiny, scorer, top_k, max_depth, follow_trees=True)
     return ComposedPolicy(ThroughputSize(max_nodes, latency), draft=pool, reach=reach,
-                          lookup=LookupChain(num_tokens, max_ngram), gate=gate)
+                          lookup=LookupChain(num_tokens, max_ngram, sibling), gate=gate)
 
 
 def costed_lookup_policy(num_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM,
-                         latency=None) -> ComposedPolicy:
-    """The lookup chain alone, no drafter, sized by ``taps-lookup``'s rule: chain node ``k`` is verified while
-    its reach ``q_n ** (k + 1)`` pays for the verify time it adds (the latency table of this machine), so a
-    chain the target keeps rejecting shrinks to the root alone instead of costing ``K`` nodes every round.
+                         latency=None, sibling: bool = False) -> ComposedPolicy:
+    """The lookup chain (and its sibling) alone, no drafter, sized by ``taps-lookup``'s rule: chain node ``k`` is
+    verified while its reach ``q_n ** (k + 1)`` pays for the verify time it adds (the latency table of this
+    machine), so a chain the target keeps rejecting shrinks to the root alone instead of costing ``K`` nodes every
+    round; the sibling likewise with its reach ``s_n``.
 
     Args:
-        num_tokens: longest chain ``K`` (also the node cap).
+        num_tokens: longest chain ``K`` (the node cap is ``K + 1`` with the sibling).
         max_ngram: longest suffix matched.
         latency: optional latency table dict (default: measured/cached for the bound target).
+        sibling: graft the sibling of the chain's first token too (:class:`.sources.LookupChain`).
     """
     check_lookup_args("lookup-cost", num_tokens, max_ngram)
-    return ComposedPolicy(ThroughputSize(num_tokens, latency), lookup=LookupChain(num_tokens, max_ngram))
+    return ComposedPolicy(ThroughputSize(num_tokens + int(sibling), latency),
+                          lookup=LookupChain(num_tokens, max_ngram, sibling))
 
 
 @register_policy("lookup", "prompt lookup without a drafter: the up to K tokens after the latest match of the last "
@@ -102,7 +109,20 @@ def _make_taps_lookup(arg, **options):
     return taps_lookup_policy(parse_budget("taps-lookup", arg, DEFAULT_CAP), **options)
 
 
+@register_policy("taps-lookup-sibling", "taps-lookup with the sibling of the chain's first token as a second root "
+                                        "child, costed by its measured hit rate; N caps nodes per row", params="[N]",
+                 options=OPTIONS)
+def _make_taps_lookup_sibling(arg, **options):
+    return taps_lookup_policy(parse_budget("taps-lookup-sibling", arg, DEFAULT_CAP), sibling=True, **options)
+
+
 @register_policy("lookup-cost", "prompt lookup without a drafter, chain nodes kept while their measured acceptance "
                                 "pays for their verify time; K caps the chain (default 10)", params="[K]")
 def _make_costed_lookup(arg):
     return costed_lookup_policy(parse_budget("lookup-cost", arg, DEFAULT_LOOKUP_TOKENS))
+
+
+@register_policy("lookup-cost-sibling", "lookup-cost with the sibling of the chain's first token as a second root "
+                                        "child, costed by its measured hit rate; K caps the chain", params="[K]")
+def _make_costed_lookup_sibling(arg):
+    return costed_lookup_policy(parse_budget("lookup-cost-sibling", arg, DEFAULT_LOOKUP_TOKENS), sibling=True)

@@ -3,8 +3,9 @@
 * :class:`DraftPool`: the drafter's best-first candidate pool (:func:`taps_kernels.candidate_pool`).
 * :class:`LookupChain`: the prompt-lookup chain of each row's committed tokens
   (:func:`taps_kernels.lookup_chain`), grafted into the pool (:func:`taps_kernels.graft_chain`) with reach
-  ``q_n ** (k + 1)`` for chain node ``k`` from its measured acceptance (:class:`ChainAcceptance`), and
-  what it learns from the target's verdicts on the chain nodes it got verified.
+  ``q_n ** (k + 1)`` for chain node ``k`` from its measured acceptance (:class:`ChainAcceptance`), the sibling
+  of its first token with reach ``s_n`` (how often the target's next token was the sibling), and what it learns
+  from the target's verdicts.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import torch
 
 import taps_kernels
 from taps_kernels import CandidatePool, DraftProposal, LookupProposal, Selection, Tree, graft_chain, lookup_chain
+from taps_kernels.ops.build import CHAIN_HEADER
 from taps_kernels.ops.lookup import DEFAULT_MAX_NGRAM
+from taps_kernels.reference.lookup import count_kept
 
 from ..token_history import accepted_prefix
 from ..tree_ops import IN_ROUND
@@ -99,7 +102,8 @@ class DraftPool:
 class ChainAcceptance:
     """Per match length ``n``, the rate ``q_n`` at which the target accepts the next chain token (a geometric
     model of how far a chain holds), from decayed counts that start at ``prior``: a verified chain whose first
-    ``m`` tokens were in the tree adds ``a`` successes (its accepted prefix) and one failure when ``a < m``."""
+    ``m`` tokens were in the tree adds ``a`` successes (its accepted prefix) and one failure when ``a < m``. The
+    sibling's rate ``s_n`` is the same model over one token: a success when the target's next token was it."""
 
     def __init__(self, max_ngram: int, decay: float = ACCEPTANCE_DECAY, prior=PRIOR):
         self.decay = float(decay)
@@ -145,12 +149,15 @@ def history_of(name: str, history):
 @dataclass
 class Graft:
     """One round's chains: ``ngram [B]`` match lengths, ``length [B]`` chain lengths, ``nodes [B, K]`` the pool
-    node of each chain token (-1: none), ``chain [B, K]`` the proposed tokens."""
+    node of each chain token (-1: none), ``chain [B, K]`` the proposed tokens, ``sibling [B]`` the sibling (-1:
+    none), ``sibling_node [B, 1]`` its pool node (-1: none or not grafted)."""
 
     ngram: torch.Tensor
     length: torch.Tensor
     nodes: torch.Tensor
     chain: torch.Tensor
+    sibling: torch.Tensor
+    sibling_node: torch.Tensor
 
 
 class LookupChain:
@@ -160,57 +167,92 @@ class LookupChain:
         num_tokens: longest chain ``K``.
         max_ngram: longest suffix matched (the latest earlier occurrence of the last ``max_ngram``, else
             fewer, tokens).
+        sibling: also graft the sibling of the chain's first token (:func:`taps_kernels.lookup_chain`) under the
+            root, with reach ``s_n``. Replayed on AR's greedy outputs (``bench/lookup_tree_study.py``), two root
+            children from two occurrences accept more than a chain of two at the same node count on code; where a
+            second verified row costs a quarter of a step (the Zen 3 of the README) the rule rarely keeps it and
+            the branching trees' bookkeeping costs more than it gains (``bench/results/lookup_sibling_ab_*``), so
+            the shipped policies leave it out and ``*-sibling`` opts in.
     """
 
-    def __init__(self, num_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM):
+    def __init__(self, num_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM,
+                 sibling: bool = False):
         self.num_tokens = num_tokens
         self.max_ngram = max_ngram
+        self.sibling = bool(sibling)
         self.reset()
 
     def reset(self) -> None:
         self.acceptance = ChainAcceptance(self.max_ngram)
+        self.sibling_acceptance = ChainAcceptance(self.max_ngram)
         self._chains: Dict[int, List[int]] = {}
         self._round: Dict[int, List[int]] = {}
+
+    def _log_rates(self, acceptance: ChainAcceptance, device: torch.device) -> torch.Tensor:
+        return torch.tensor(acceptance.log_rates(), dtype=torch.float32, device=device)
 
     def graft(self, name: str, tree: Tree, log_reach: torch.Tensor, history) -> Tuple[Tree, torch.Tensor, Graft]:
         """The pool ``tree``/``log_reach`` with each row's chain grafted in (``history=(tokens [B, C], lengths
         [B])``, each row's committed tokens)."""
         tokens, lengths = history_of(name, history)
-        chain, chain_len, ngram = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram, validate=IN_ROUND)
+        chain, chain_len, ngram, sibling = lookup_chain(tokens, lengths, self.num_tokens, self.max_ngram,
+                                                        validate=IN_ROUND)
         tree, log_reach, nodes = graft_chain(tree, log_reach, chain, chain_len,
                                              self.acceptance.log_reach(ngram, self.num_tokens), validate=IN_ROUND)
-        return tree, log_reach, Graft(ngram, chain_len, nodes, chain)
+        sibling_node = torch.full_like(sibling[:, None], -1)
+        if self.sibling:
+            log_s = self._log_rates(self.sibling_acceptance, tokens.device)[ngram][:, None]
+            tree, log_reach, sibling_node = graft_chain(tree, log_reach, sibling.clamp(min=0)[:, None],
+                                                        (sibling >= 0).long(), log_s, validate=IN_ROUND)
+        return tree, log_reach, Graft(ngram, chain_len, nodes, chain, sibling, sibling_node)
 
     def proposal(self, name: str, history) -> LookupProposal:
         """This round's lookup as :func:`taps_kernels.build_tree` takes it (``history`` as in :meth:`graft`)."""
         tokens, lengths = history_of(name, history)
-        log_q = torch.tensor(self.acceptance.log_rates(), dtype=torch.float32, device=tokens.device)
-        return LookupProposal(tokens, lengths, self.num_tokens, self.max_ngram, log_q)
+        log_s = self._log_rates(self.sibling_acceptance, tokens.device) if self.sibling else None
+        return LookupProposal(tokens, lengths, self.num_tokens, self.max_ngram,
+                              self._log_rates(self.acceptance, tokens.device), log_s)
 
     @staticmethod
     def aux(graft: Graft, sel: Selection) -> torch.Tensor:
-        """``[B, 3 + K] int64`` (match length, chain length, chain nodes the selection kept, the chain): what
-        :meth:`observe_rows` and the draft gate need back from the round's read."""
-        nodes = graft.nodes
-        kept = ((nodes[:, :, None] == sel.pool_index[:, None, :]).any(-1) & (nodes >= 0)).sum(1)
-        return torch.cat([graft.ngram[:, None], graft.length[:, None], kept[:, None], graft.chain], 1)
+        """``[B, 5 + K] int64``, the columns :func:`taps_kernels.build_tree` reports (:data:`CHAIN_HEADER`, then the
+        chain): what :meth:`observe_rows` and the draft gate need back from the round's read."""
+        return torch.cat([graft.ngram[:, None], graft.length[:, None], count_kept(graft.nodes, sel.pool_index)[:, None],
+                          graft.sibling[:, None], count_kept(graft.sibling_node, sel.pool_index)[:, None], graft.chain],
+                         1)
 
     def observe_rows(self, accepted: Dict[int, Optional[List[int]]], aux: Dict[int, List[int]]) -> None:
-        """Record how much of each row's previous chain the target accepted; keep the chains verified next."""
-        for b, verified in accepted.items():
+        """Record how much of each row's previous chain the target accepted, and whether its next token was the
+        sibling; keep the chains verified next. ``accepted[b]``: the tokens row b committed (its accepted nodes,
+        then the target's next token), or None when the row just joined."""
+        H = len(CHAIN_HEADER)
+        for b, committed in accepted.items():
             prev = self._chains.get(b)
-            if verified is not None and prev is not None and prev[2] > 0:
-                ngram, kept, chain = prev[0], prev[2], prev[3:3 + prev[2]]
-                a = accepted_prefix(verified, chain)
+            if not committed or prev is None or prev[0] == 0:
+                continue
+            ngram, kept, sibling = prev[0], prev[2], prev[3]
+            if kept > 0:
+                a = accepted_prefix(committed, prev[H:H + kept])
                 self.acceptance.record(ngram, a, a < kept)
+            if self.sibling and sibling >= 0:  # the target's next token is known, the sibling verified or not
+                hit = committed[0] == sibling
+                self.sibling_acceptance.record(ngram, float(hit), not hit)
         self._chains.update(aux)
         self._round = aux
 
     def undrafted_reach(self) -> List[List[float]]:
-        """Per row of the latest round (:meth:`observe_rows`'s ``aux``), the reach its chain's tokens have in a round
-        without the drafter: ``q_n ** (k + 1)`` for k below the chain's length (no match: none)."""
+        """Per row of the latest round (:meth:`observe_rows`'s ``aux``), the reach its proposals have in a round
+        without the drafter: ``q_n ** (k + 1)`` for k below the chain's length, and ``s_n`` for the sibling when
+        grafted (no match: none)."""
         out = []
         for row in self._round.values():
-            q = self.acceptance.rate(row[0]) if row[0] > 0 else 0.0
-            out.append([q ** (k + 1) for k in range(row[1])] if q > 0 else [])
+            if row[0] == 0:
+                out.append([])
+                continue
+            q = self.acceptance.rate(row[0])
+            reach = [q ** (k + 1) for k in range(row[1])] if q > 0 else []
+            s = self.sibling_acceptance.rate(row[0])
+            if self.sibling and row[3] >= 0 and s > 0:
+                reach.append(s)
+            out.append(reach)
         return out
