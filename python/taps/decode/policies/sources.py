@@ -124,6 +124,10 @@ class ChainAcceptance:
         rates = [self.rate(n) for n in range(1, len(self.success))]
         return [0.0] + [math.log(q) if q > 0 else float("-inf") for q in rates]
 
+    def log_rates_tensor(self, device: torch.device) -> torch.Tensor:
+        """:meth:`log_rates` as ``[max_ngram + 1] float32`` on ``device``."""
+        return torch.tensor(self.log_rates(), dtype=torch.float32, device=device)
+
     def log_reach(self, ngram: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``[B, K] float32`` chain log reach ``(k + 1) * log q_n`` of rows whose match length is ``ngram [B]``
         (host floats enter as kernel scalars: nothing is copied to the device)."""
@@ -188,9 +192,6 @@ class LookupChain:
         self._chains: Dict[int, List[int]] = {}
         self._round: Dict[int, List[int]] = {}
 
-    def _log_rates(self, acceptance: ChainAcceptance, device: torch.device) -> torch.Tensor:
-        return torch.tensor(acceptance.log_rates(), dtype=torch.float32, device=device)
-
     def graft(self, name: str, tree: Tree, log_reach: torch.Tensor, history) -> Tuple[Tree, torch.Tensor, Graft]:
         """The pool ``tree``/``log_reach`` with each row's chain grafted in (``history=(tokens [B, C], lengths
         [B])``, each row's committed tokens)."""
@@ -201,7 +202,7 @@ class LookupChain:
                                              self.acceptance.log_reach(ngram, self.num_tokens), validate=IN_ROUND)
         sibling_node = torch.full_like(sibling[:, None], -1)
         if self.sibling:
-            log_s = self._log_rates(self.sibling_acceptance, tokens.device)[ngram][:, None]
+            log_s = self.sibling_acceptance.log_rates_tensor(tokens.device)[ngram][:, None]
             tree, log_reach, sibling_node = graft_chain(tree, log_reach, sibling.clamp(min=0)[:, None],
                                                         (sibling >= 0).long(), log_s, validate=IN_ROUND)
         return tree, log_reach, Graft(ngram, chain_len, nodes, chain, sibling, sibling_node)
@@ -209,9 +210,9 @@ class LookupChain:
     def proposal(self, name: str, history) -> LookupProposal:
         """This round's lookup as :func:`taps_kernels.build_tree` takes it (``history`` as in :meth:`graft`)."""
         tokens, lengths = history_of(name, history)
-        log_s = self._log_rates(self.sibling_acceptance, tokens.device) if self.sibling else None
+        log_s = self.sibling_acceptance.log_rates_tensor(tokens.device) if self.sibling else None
         return LookupProposal(tokens, lengths, self.num_tokens, self.max_ngram,
-                              self._log_rates(self.acceptance, tokens.device), log_s)
+                              self.acceptance.log_rates_tensor(tokens.device), log_s)
 
     @staticmethod
     def aux(graft: Graft, sel: Selection) -> torch.Tensor:
