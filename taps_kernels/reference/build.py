@@ -56,7 +56,7 @@ def build_tree_reference(root_tokens: torch.Tensor, depth_cap: Optional[torch.Te
                                                                   lookup.max_ngram)
         tree, log_reach, nodes = graft_chain_reference(
             tree, log_reach, chain, chain_len, chain_log_reach_reference(ngram, lookup.log_q, lookup.num_tokens))
-        sibling_node = torch.full((B, 1), -1, dtype=torch.int64)
+        sibling_node = torch.full_like(sibling[:, None], -1)
         if lookup.log_s is not None:
             tree, log_reach, sibling_node = graft_chain_reference(
                 tree, log_reach, sibling.clamp(min=0)[:, None], (sibling >= 0).long(),
