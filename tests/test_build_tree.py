@@ -183,6 +183,14 @@ def test_composed_policy_builds_the_same_tree_in_one_call(spec):
                                                        torch.zeros(4), torch.zeros(4, dtype=torch.float64))),
      "lookup.log_s: expected dtype float32"),
     (lambda kw, roots: kw["lookup"].lengths.__setitem__(0, 99), r"lookup.lengths\[0\]: expected a history length"),
+    (lambda kw, roots: kw.update(lookup=LookupProposal(kw["lookup"].history, kw["lookup"].lengths, 6, 3,
+                                                       torch.tensor([0.0, 0.1, -1.0, -2.0]))),
+     r"lookup.log_q\[1\]: expected a log rate \(<= 0, or -inf\), received 0.1"),
+    (lambda kw, roots: kw.update(lookup=LookupProposal(kw["lookup"].history, kw["lookup"].lengths, 6, 3, torch.zeros(4),
+                                                       torch.tensor([0.0, -1.0, float("nan"), -2.0]))),
+     r"lookup.log_s\[2\]: expected a log rate"),
+    (lambda kw, roots: kw.update(lookup=LookupProposal(kw["lookup"].history, kw["lookup"].lengths, 2 ** 31 - 3, 3,
+                                                       torch.zeros(4))), "lookup.num_tokens: .* of outputs"),
     (lambda kw, roots: roots.__setitem__(1, 10 ** 6), r"root_tokens\[1\]: token 1000000 is outside"),
     (lambda kw, roots: kw["draft"].logits.__setitem__((2, 1, 3), float("nan")), r"draft_logits\[2,1\]: a NaN"),
 ])
@@ -191,3 +199,15 @@ def test_bad_input_is_named(mutate, match):
     mutate(kw, roots)
     with pytest.raises((ValueError, TypeError), match=match):
         tk.build_tree(roots, 6, rule, **kw)
+
+
+def test_bad_rule_and_roots_are_named():
+    kw, roots, rule = case(5, 3, 4, 20, 10, 4, "tiny", True, True, False)
+    table = rule.latency.clone()
+    table[2] = float("nan")
+    with pytest.raises(ValueError, match=r"rule.latency\[2\]: expected finite seconds > 0, received nan"):
+        tk.build_tree(roots, 6, ThroughputRule(table, rule.plain_seconds, rule.rows), **kw)
+    with pytest.raises(ValueError, match=r"max_nodes: .* of outputs"):
+        tk.build_tree(roots, 2 ** 31 - 3, rule, **kw)
+    with pytest.raises(TypeError, match="root_tokens"):
+        tk.build_tree(roots.tolist(), 6, rule, **kw)

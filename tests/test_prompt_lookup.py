@@ -164,12 +164,19 @@ def test_lookup_ops_refuse_bad_input(backend):
         lookup_chain(tokens.int(), torch.tensor([3, 3]), 4, backend=backend)
     with pytest.raises(ValueError, match="num_tokens"):
         lookup_chain(tokens, torch.tensor([3, 3]), -1, backend=backend)
+    with pytest.raises(ValueError, match="num_tokens: .* of outputs"):
+        lookup_chain(tokens, torch.tensor([3, 3]), 2 ** 31 - 3, backend=backend)
+    with pytest.raises(TypeError, match="tokens"):
+        lookup_chain(None, torch.tensor([3, 3]), 4, backend=backend)
     tree = Tree(torch.zeros(2, 3, dtype=torch.int64), torch.tensor([[-1, 0, -1]] * 2, dtype=torch.int32),
                 torch.tensor([[0, 1, 0]] * 2, dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32))
     reach = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="chain: expected 2 rows"):
         graft_chain(tree, reach, torch.zeros(3, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                     torch.zeros(3, 4), backend=backend)
+    with pytest.raises(ValueError, match="chain_log_reach: requires grad, but graft_chain has no backward"):
+        graft_chain(tree, reach, torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                    torch.zeros(2, 4, requires_grad=True), backend=backend)
     with pytest.raises(ValueError, match="chain_log_reach"):
         graft_chain(tree, reach, torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                     torch.zeros(2, 3), backend=backend)

@@ -14,18 +14,22 @@ from typing import Dict, Optional
 
 import torch
 
-from .._checks import check_data_device, check_float, check_int, check_tensor, values_checked
+from .._checks import (check_data_device, check_float, check_int, check_output_size, check_tensor, first_index,
+                       values_checked)
 from ..backend import resolve
 from ..layout import Selection
 from ..scorer_weights import ScorerWeights
 from .lookup import check_length_values
 from .pool import _check_vocab_ids, check_root_values
-from .select import ThroughputRule
+from .select import ThroughputRule, check_throughput_table
 
 #: Stage names of :attr:`BuiltRound.seconds`, in order.
 STAGES = ("pool", "scoring", "lookup", "selection")
 #: The leading columns of :attr:`BuiltRound.chain`, per row; the chain follows them.
 CHAIN_HEADER = ("ngram", "chain_len", "chain_kept", "sibling", "sibling_kept")
+#: Bytes of the round's arrays per pool or output node and row (token, pool index, reach, parent, depth, ...): what
+#: a node cap or a chain length would allocate, checked against the device's memory before the call.
+_ROW_BYTES = 8 + 8 + 4 + 4 + 4 + 4
 
 
 @dataclass(frozen=True)
@@ -111,12 +115,13 @@ def build_tree(root_tokens: torch.Tensor, max_nodes: int, rule: ThroughputRule,
     Returns:
         :class:`BuiltRound`.
     """
-    dev = check_data_device("root_tokens", root_tokens)
     check_tensor("root_tokens", root_tokens, dtypes=(torch.int64,), ndim=1)
+    dev = check_data_device("root_tokens", root_tokens)
     B = root_tokens.shape[0]
     if B < 1:
         raise ValueError("root_tokens: expected at least one row, received shape (0,)")
     max_nodes = check_int("max_nodes", max_nodes)
+    check_output_size("max_nodes", max_nodes, B * (max_nodes + 1) * _ROW_BYTES, dev)
     if not isinstance(rule, ThroughputRule):
         raise TypeError(f"rule: expected a ThroughputRule, received {type(rule).__name__}")
     check_tensor("rule.latency", rule.latency, dtypes=(torch.float64,), ndim=1, device=dev)
@@ -129,7 +134,7 @@ def build_tree(root_tokens: torch.Tensor, max_nodes: int, rule: ThroughputRule,
     if lookup is not None:
         _check_lookup(lookup, B, dev)
     if values_checked(validate, dev):
-        _check_values(root_tokens, draft, lookup)
+        _check_values(root_tokens, rule, draft, lookup)
     _, fn = resolve("build_tree", backend, dev)
     selection, chain, seconds = fn(root_tokens, depth_cap, draft, scorer, token_embeddings, lookup, max_nodes,
                                    rule.latency, plain, rows)
@@ -170,15 +175,25 @@ def _check_lookup(lookup: LookupProposal, B: int, dev: torch.device) -> None:
     if lookup.history.shape[0] != B:
         raise ValueError(f"lookup.history: expected {B} rows, received shape {tuple(lookup.history.shape)}")
     check_tensor("lookup.lengths", lookup.lengths, dtypes=(torch.int64,), shape=(B,), device=dev)
-    check_int("lookup.num_tokens", lookup.num_tokens, minimum=0)
+    k = check_int("lookup.num_tokens", lookup.num_tokens, minimum=0)
+    check_output_size("lookup.num_tokens", k, B * (k + 1) * _ROW_BYTES, dev)  # the chain widens the pool by k
     n = check_int("lookup.max_ngram", lookup.max_ngram)
     check_tensor("lookup.log_q", lookup.log_q, dtypes=(torch.float32,), shape=(n + 1,), device=dev)
     if lookup.log_s is not None:
         check_tensor("lookup.log_s", lookup.log_s, dtypes=(torch.float32,), shape=(n + 1,), device=dev)
 
 
-def _check_values(root_tokens: torch.Tensor, draft: Optional[DraftProposal], lookup: Optional[LookupProposal]) -> None:
+def _check_values(root_tokens: torch.Tensor, rule: ThroughputRule, draft: Optional[DraftProposal],
+                  lookup: Optional[LookupProposal]) -> None:
     token_columns = draft is not None and draft.vocab_ids is None
     check_root_values(root_tokens, draft.logits.shape[2] if token_columns else None)
+    check_throughput_table(rule.latency, "rule.latency")
     if lookup is not None:
         check_length_values(lookup.lengths, lookup.history.shape[1], "lookup.lengths")
+        # log rates: a positive one would make reach grow along the chain (the kept trees would not be
+        # prefix-closed), a NaN one would be ranked differently by each backend
+        for name, rates in (("lookup.log_q", lookup.log_q), ("lookup.log_s", lookup.log_s)):
+            bad = None if rates is None else ~(rates <= 0)
+            if bad is not None and bool(bad.any()):
+                (i,) = first_index(bad)
+                raise ValueError(f"{name}[{i}]: expected a log rate (<= 0, or -inf), received {float(rates[i])}")

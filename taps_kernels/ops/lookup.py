@@ -6,7 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import check_data_device, check_int, check_tensor, first_index, values_checked
+from .._checks import (check_data_device, check_int, check_no_grad, check_output_size, check_tensor, first_index,
+                       values_checked)
 from ..backend import resolve
 from ..layout import Tree, validate_tree
 
@@ -47,11 +48,12 @@ def lookup_chain(tokens: torch.Tensor, lengths: torch.Tensor, num_tokens: int, m
         history of token ids, which are never negative, keeps this unambiguous). The sibling does not depend on
         ``num_tokens``.
     """
-    dev = check_data_device("tokens", tokens)
     tokens = check_tensor("tokens", tokens, dtypes=(torch.int64,), ndim=2)
+    dev = check_data_device("tokens", tokens)
     B, C = tokens.shape
     check_tensor("lengths", lengths, dtypes=(torch.int64,), shape=(B,), device=dev)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    check_output_size("num_tokens", num_tokens, B * num_tokens * 8, dev)
     max_ngram = check_int("max_ngram", max_ngram, minimum=1)
     if values_checked(validate, dev) and B:
         check_length_values(lengths, C)
@@ -68,6 +70,7 @@ def graft_chain(tree: Tree, log_reach: torch.Tensor, chain: torch.Tensor, chain_
     log reach becomes the larger of the two estimates (NaN if either is NaN); the others are appended after the
     row's real nodes, so node order stays topological. Along the chain both estimates are non-increasing, so the
     merged log reach stays non-increasing along every path (the throughput rule's top-``n`` stays prefix-closed).
+    No backward: a ``log_reach`` or ``chain_log_reach`` that requires grad (grad mode on) is refused.
 
     Args:
         tree: ``[B, N]`` :class:`Tree` (siblings carry distinct tokens, as pools and selected subtrees do).
@@ -90,5 +93,6 @@ def graft_chain(tree: Tree, log_reach: torch.Tensor, chain: torch.Tensor, chain_
     K = chain.shape[1]
     check_tensor("chain_len", chain_len, dtypes=(torch.int64,), shape=(B,), device=dev)
     check_tensor("chain_log_reach", chain_log_reach, dtypes=(torch.float32,), shape=(B, K), device=dev)
+    check_no_grad("graft_chain", [("log_reach", log_reach), ("chain_log_reach", chain_log_reach)])
     _, fn = resolve("graft_chain", backend, dev)
     return fn(tree, log_reach, chain, chain_len, chain_log_reach)

@@ -229,13 +229,22 @@ def _throughput_kernel(parents, depth, num_nodes, log_reach, max_nodes, table, p
         if isinstance(parents, torch.Tensor) and parents.dim() == 2 else {}
     name, fn = backend_for("select_throughput", backend, parents, _throughput_meta, args, check, **size)
     if check:
-        _select_values(parents, depth, num_nodes, log_reach, table, 0.0)
-        bad = table[1:] < table[:-1]
-        if bool(bad.any()):
-            (n,) = first_index(bad)
-            raise ValueError(f"latency[{n + 1}]: expected a non-decreasing table of seconds, received "
-                             f"{float(table[n + 1])} after {float(table[n])}")
+        _select_values(parents, depth, num_nodes, log_reach, None, 0.0)
+        check_throughput_table(table)
     return fresh(fn(*args), args[:4] + (table,), name)
+
+
+def check_throughput_table(table: torch.Tensor, name: str = "latency") -> None:
+    """A throughput rule's table (values): finite, positive and non-decreasing seconds."""
+    bad = ~torch.isfinite(table) | (table <= 0)
+    if bool(bad.any()):
+        (n,) = first_index(bad)
+        raise ValueError(f"{name}[{n}]: expected finite seconds > 0, received {float(table[n])}")
+    bad = table[1:] < table[:-1]
+    if bool(bad.any()):
+        (n,) = first_index(bad)
+        raise ValueError(f"{name}[{n + 1}]: expected a non-decreasing table of seconds, received "
+                         f"{float(table[n + 1])} after {float(table[n])}")
 
 
 def _throughput_fake(parents, depth, num_nodes, log_reach, max_nodes, table, plain_seconds, rows, backend=None,

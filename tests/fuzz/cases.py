@@ -142,6 +142,20 @@ def base_args(op: str, g: torch.Generator) -> Dict[str, object]:
     if op == "rows_linear":
         return {"x": torch.randn(3, 2, 7, generator=g), "weight": torch.randn(5, 7, generator=g),
                 "bias": torch.randn(5, generator=g)}
+    if op == "lookup_chain":  # a small alphabet: matches, siblings; one empty history
+        return {"tokens": torch.randint(0, 4, (3, 17), generator=g), "lengths": torch.tensor([17, 6, 0]),
+                "num_tokens": 4, "max_ngram": 3}
+    if op == "graft_chain":
+        t = random_tree(g, 2, 9, vocab=3)
+        return {**tree_fields("tree", t), "log_reach": _log_reach(g, t),
+                "chain": torch.randint(0, 3, (2, 4), generator=g), "chain_len": torch.tensor([4, 2]),
+                "chain_log_reach": torch.cumsum(-torch.rand(2, 4, generator=g), 1)}
+    if op == "build_tree_lookup":  # an undrafted round: the root, the lookup chain and its sibling
+        return {"root_tokens": torch.tensor([3, 1]), "max_nodes": 5,
+                "history": torch.randint(0, 3, (2, 15), generator=g), "lengths": torch.tensor([15, 7]), "num_tokens": 4, "max_ngram": 3,
+                "log_q": torch.tensor([0.0, -0.4, -0.2, -0.1]), "log_s": torch.tensor([0.0, -1.0, -0.8, -1.5]),
+                "latency": torch.tensor([0.05, 0.05, 0.06, 0.07, 0.09, 0.1], dtype=torch.float64),
+                "plain_seconds": 0.05}
     raise KeyError(op)
 
 
@@ -216,6 +230,16 @@ def call(op: str, a: Dict[str, object], backend: str, validate: Optional[str]):
         return (out, *keys, *values)
     if op == "rows_linear":
         return tk.rows_linear(a["x"], a["weight"], a["bias"], backend=backend)
+    if op == "lookup_chain":
+        return tk.lookup_chain(a["tokens"], a["lengths"], a["num_tokens"], a["max_ngram"], backend=backend, **v)
+    if op == "graft_chain":
+        return tk.graft_chain(take_tree(a), a["log_reach"], a["chain"], a["chain_len"], a["chain_log_reach"],
+                              backend=backend, **v)
+    if op == "build_tree_lookup":
+        lookup = tk.LookupProposal(a["history"], a["lengths"], a["num_tokens"], a["max_ngram"], a["log_q"], a["log_s"])
+        rule = tk.ThroughputRule(a["latency"], a["plain_seconds"])
+        out = tk.build_tree(a["root_tokens"], a["max_nodes"], rule, lookup=lookup, backend=backend, **v)
+        return out.selection, out.chain  # not the stage seconds: only the C++ call times its stages
     # custom ops: the raw torch.ops.taps entry points, on the backend TAPS_BACKEND names
     ops = torch.ops.taps
     if op == "custom.tree_mask":
@@ -267,6 +291,9 @@ OPS: Dict[str, OpSpec] = {
     "accept_greedy": OpSpec(("reference", "cpp")),
     "compact_kv": OpSpec(("reference", "cpp"), inplace=True),
     "rows_linear": OpSpec(("reference", "cpp"), validates=False),
+    "lookup_chain": OpSpec(("reference", "cpp")),
+    "graft_chain": OpSpec(("reference", "cpp")),
+    "build_tree_lookup": OpSpec(("reference", "cpp")),
     "custom.tree_mask": OpSpec(("reference", "cpp"), validates=False),
     "custom.accept_greedy": OpSpec(("reference", "cpp"), validates=False),
     "custom.compact_kv": OpSpec(("reference", "cpp"), validates=False, inplace=True),
@@ -333,8 +360,8 @@ FLOAT_SCALARS = {"nan": float("nan"), "inf": float("inf"), "ninf": float("-inf")
 STR_SCALARS = {"bad": "best", "none": None, "int": 3}
 
 SECONDARY_SKIP = {"list", "rank+", "emptyL", "f16", "i32", "f32"}
-_INT_ARGS = {"top_k", "pool_size", "max_nodes", "max_depth", "kv_len"}
-_FLOAT_ARGS = {"t0", "lambda_node", "lambda_depth", "min_utility", "scale"}
+_INT_ARGS = {"top_k", "pool_size", "max_nodes", "max_depth", "kv_len", "num_tokens", "max_ngram"}
+_FLOAT_ARGS = {"t0", "lambda_node", "lambda_depth", "min_utility", "scale", "plain_seconds"}
 # out-of-contract VALUES (not types or shapes): the ones whose validate="none" run must still be memory-safe
 VALUE_MUTATIONS = {"nan", "posinf", "neginf", "allneginf", "huge", "neg", "negfirst", "big", "max", "min"}
 TRITON_MUTATIONS = {"none", "meta", "short", "empty0", "emptyL", "f64", "nan", "posinf", "allneginf", "neg",
