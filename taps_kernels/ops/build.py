@@ -60,10 +60,11 @@ class LookupProposal:
         lengths: ``[B] int64`` in ``[0, C]``.
         num_tokens: longest chain ``K`` (``>= 0``).
         max_ngram: longest suffix matched (``>= 1``).
-        log_q: ``[max_ngram + 1] float32``: chain token ``k`` of a row matched on ``n`` tokens has log reach
-            ``(k + 1) * log_q[n]`` (entry 0, no match, is not read for a chain: such rows have none).
-        log_s: ``[max_ngram + 1] float32`` or None: the sibling of a row matched on ``n`` tokens is grafted under the
-            root with log reach ``log_s[n]``; None: no sibling is grafted.
+        log_q: ``[max_ngram + 1] float32`` log rates (``<= 0`` or ``-inf``): chain token ``k`` of a row matched on
+            ``n`` tokens has log reach ``(k + 1) * log_q[n]`` (entry 0, no match, is not read for a chain: such
+            rows have none).
+        log_s: ``[max_ngram + 1] float32`` log rates or None: the sibling of a row matched on ``n`` tokens is
+            grafted under the root with log reach ``log_s[n]``; None: no sibling is grafted.
     """
 
     history: torch.Tensor
@@ -111,7 +112,8 @@ def build_tree(root_tokens: torch.Tensor, max_nodes: int, rule: ThroughputRule,
         lookup: the prompt-lookup proposal, or None.
         depth_cap: ``[B] int64``: nodes deeper than ``depth_cap[b]`` are never kept; None: no cap.
         backend: None (the dispatcher's choice) or ``"cpp"`` / ``"reference"``.
-        validate: value checks (root tokens, history lengths, non-finite logits), as in :func:`candidate_pool`.
+        validate: value checks (root tokens, history lengths, non-finite logits, the rule's table: finite,
+            positive, non-decreasing; the lookup's log rates: ``<= 0``), as in :func:`candidate_pool`.
     Returns:
         :class:`BuiltRound`.
     """
