@@ -110,32 +110,6 @@ def test_commit_keeps_exactly_the_accepted_rows(models):
         assert_within_torch_error(feats2[b, 0], want_f, ref_f, what=f"row {b} features after commit")
 
 
-def test_commit_moves_only_when_a_row_needs_it(models, monkeypatch):
-    """Accepted nodes already in place (a chain's, first children's) skip the compaction op on a CPU; a path that
-    leaves a node behind runs it, and either way the rows after each prefix are the accepted ones."""
-    import taps_kernels
-
-    t32, _ = models
-    calls = []
-    real = taps_kernels.compact_kv
-    monkeypatch.setattr(taps_kernels, "compact_kv", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    ver = TargetVerifier(t32, None, attention="sdpa", max_batch=2)
-    ver.reset(2, 32)
-    for r, p in enumerate([[5, 9, 17, 3], [7, 7, 1]]):
-        ver.prefill_row(r, p)
-    tree = make_tree([([-1, 0, 0, 1], [1, 2, 3, 4]), ([-1, 0, 1, 0], [5, 6, 7, 8])])
-    ver.verify_batch(tree)
-    keys = [k.clone() for k in ver.keys]
-    in_place = torch.tensor([[0, 1, 3], [0, 1, -1]])  # row 0: nodes 0, 1, 3 -> 3 must move to slot 2
-    ver.commit_batch(torch.tensor([[0, 1, -1], [0, 1, 2]]), torch.tensor([2, 3]))
-    assert calls == [] and all(torch.equal(k, k0) for k, k0 in zip(ver.keys, keys))
-    ver.lengths[:] = torch.tensor([4, 3])
-    ver.commit_batch(in_place, torch.tensor([3, 2]))
-    assert calls == [1] and ver.lengths.tolist() == [7, 5]
-    for k, k0 in zip(ver.keys, keys):
-        assert torch.equal(k[0, :, 4:7], k0[0, :, [4, 5, 7]]) and torch.equal(k[1, :, 3:5], k0[1, :, 3:5])
-
-
 def test_rows_are_independent_and_bookkeeping_checks(models):
     t32, _ = models
     ver = TargetVerifier(t32, None, attention="sdpa", max_batch=2)
