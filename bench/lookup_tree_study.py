@@ -15,8 +15,8 @@ Shapes, in non-root nodes per round (first turns only: a later turn's history ho
 * ``chain:2+sibling``: 3 nodes: ``chain:2`` and the sibling of its first node.
 
 Shapes with the same node count cost the same verify, so their tau (tokens per round, the bonus included) compares
-them directly; on the Zen 3 of the README a verify of up to 3 rows (the root and 2 nodes) costs about one decode
-step. Prints the table and writes JSON.
+them directly (on the Zen 3 of the README the root and 1 node cost one decode step, a second node ~27% more:
+``bench/results/lookup_sibling_ab_zen3_*`` measures the sibling in the policies). Prints the table and writes JSON.
 """
 import argparse
 import json
