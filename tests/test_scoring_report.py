@@ -4,6 +4,7 @@ import json
 import pytest
 
 from taps.bench.run_report import _drafted, check_targets, coverage, merge_bench, projected_tps, write_report
+from taps.bench.summary import decode_speedup, format_table, summarize
 
 
 def pol(tau, nodes, tps, same=2, prompts=2):
@@ -52,6 +53,10 @@ def test_check_targets_for_taps_with_prompt_lookup():
     c = checks["TAPS with prompt lookup (taps-lookup) / best fixed-budget DDTree (ddtree:8), median tok/s"]
     assert c["value"] == pytest.approx(1.5) and c["met"]
     assert checks["TAPS with prompt lookup (taps-lookup) / AR, aggregate tok/s"]["value"] == pytest.approx(3.6)
+    assert not any("decode-only" in k for k in checks)  # no decode-only figures in this run: no check
+    r["policies"]["ar"]["decode_tokens_per_s"], r["policies"]["taps-lookup"]["decode_tokens_per_s"] = 150.0, 195.0
+    c = {c["name"]: c for c in check_targets(r)}["TAPS with prompt lookup (taps-lookup) / AR, decode-only tok/s"]
+    assert c["value"] == pytest.approx(1.3) and c["target"] == 1.4 and not c["met"]
     assert checks["TAPS / AR, median tok/s"]["value"] == pytest.approx(3.0)  # plain TAPS still checked on its own
     assert not any(k.startswith("lookup") for k in checks)  # the no-drafter baseline has no targets
 
@@ -131,3 +136,22 @@ def test_report_shows_the_llamacpp_peer_rows(tmp_path):
     text = (tmp_path / "r.md").read_text()
     assert "| humaneval | llamacpp-decode (llama-bench) (llama.cpp 0c1e570, CPU X) | 75.00 | - | 2.00x |" in text
     assert "| humaneval | ours: ar | 150.00 | - | - |" in text
+
+
+def test_decode_only_speedup_leaves_the_prefills_out():
+    def rec(seconds, prefill, tokens, turns=1):
+        return {"new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "turns": [{}] * turns, "time_split": {"prefill": prefill, "verify": seconds - prefill}}
+
+    # AR: 2 prompts, 0.4 s of prefill, 1.0 s for 48 decoded tokens (50 new, the prefills gave 2)
+    # policy: the same prefills, 0.5 s for the same 48 decoded tokens: 2x decode-only, 1.4 / 0.9 overall
+    s = summarize({"ar": [rec(0.7, 0.2, 25), rec(0.7, 0.2, 25)], "taps-lookup": [rec(0.45, 0.2, 25)] * 2})
+    assert decode_speedup(s, "ar") == pytest.approx(1.0)
+    assert decode_speedup(s, "taps-lookup") == pytest.approx(2.0)
+    assert s["taps-lookup"]["speedup"] == pytest.approx(1.4 / 0.9)
+    assert s["taps-lookup"]["decode_tokens_per_s"] == pytest.approx(48 / 0.5)
+    table = format_table(s).splitlines()
+    assert table[0].split()[7] == "decode" and table[3].split()[5] == "2.00x"
+    # a record without a prefill time (a baseline timed as a whole) has no decode-only figures
+    s = summarize({"ar": [rec(0.7, 0.2, 25)], "hf": [{"new_tokens": 25, "seconds": 0.5, "tokens_per_s": 50.0}]})
+    assert decode_speedup(s, "hf") is None and format_table(s).splitlines()[3].split()[5] == "-"

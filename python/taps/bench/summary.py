@@ -9,7 +9,8 @@ from taps.decode.stats import BUILD_STAGES, SPLIT_HEADER, SPLIT_STAGES
 
 
 def summarize(results: Dict[str, List[dict]]) -> Dict[str, dict]:
-    """Per policy: tau, tokens/s (median, mean over prompts), speedup over AR, nodes per round, time split."""
+    """Per policy: tau, tokens/s (median, mean over prompts), speedup over AR (time per token, prefills
+    included), decode-only tokens/s, nodes per round, time split."""
     def per_token(recs):
         tokens = sum(r["new_tokens"] for r in recs)
         return sum(r["seconds"] for r in recs) / tokens if tokens else float("nan")
@@ -83,17 +84,28 @@ def best_ddtree(summary):
     return max(dd, key=lambda k: dd[k]["tokens_per_s_median"])
 
 
+def decode_speedup(summary: Dict[str, dict], spec: str):
+    """AR's time per decoded token over ``spec``'s, the prefills and the tokens they give left out (every
+    policy prefills the same way: this is the part speculation can speed up); None without decode figures."""
+    ar, s = summary.get("ar") or {}, summary.get(spec) or {}
+    if not ar.get("decode_tokens_per_s") or not s.get("decode_tokens_per_s"):
+        return None
+    return s["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
+
+
 def format_table(summary: Dict[str, dict]) -> str:
-    head = (f"{'policy':<14}{'tau':>6}{'tok/s med':>11}{'tok/s mean':>11}{'speedup':>9}{'nodes/rd':>9}"
+    head = (f"{'policy':<14}{'tau':>6}{'tok/s med':>11}{'tok/s mean':>11}{'speedup':>9}{'decode':>8}{'nodes/rd':>9}"
             f"{'same as AR':>12}  {SPLIT_HEADER}")
     lines = [head, "-" * len(head)]
     for spec, s in summary.items():
         tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
         nodes = f"{s['nodes_per_round']:.1f}" if s["nodes_per_round"] is not None else "-"
         sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+        dsp = decode_speedup(summary, spec)
+        dsp = f"{dsp:.2f}x" if dsp is not None else "-"
         frac = s["time_split_frac"]
         split = "/".join(f"{100 * frac.get(k, 0.0):.0f}" for k in SPLIT_STAGES) if s["rounds"] else "-"
-        lines.append(f"{spec:<14}{tau:>6}{s['tokens_per_s_median']:>11.2f}{s['tokens_per_s_mean']:>11.2f}{sp:>9}"
+        lines.append(f"{spec:<14}{tau:>6}{s['tokens_per_s_median']:>11.2f}{s['tokens_per_s_mean']:>11.2f}{sp:>9}{dsp:>8}"
                      f"{nodes:>9}{s['identical_to_ar']:>7}/{s['prompts']:<4}  {split}")
     return "\n".join(lines)
 
