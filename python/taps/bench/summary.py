@@ -105,7 +105,7 @@ def format_table(summary: Dict[str, dict]) -> str:
         dsp = f"{dsp:.2f}x" if dsp is not None else "-"
         frac = s["time_split_frac"]
         split = "/".join(f"{100 * frac.get(k, 0.0):.0f}" for k in SPLIT_STAGES) if s["rounds"] else "-"
-        lines.append(f"{spec:<14}{tau:>6}{s['tokens_per_s_median']:>11.2f}{s['tokens_per_s_mean']:>11.2f}{sp:>9}{dsp:>8}"
-                     f"{nodes:>9}{s['identical_to_ar']:>7}/{s['prompts']:<4}  {split}")
+        lines.append(f"{spec:<14}{tau:>6}{s['tokens_per_s_median']:>11.2f}{s['tokens_per_s_mean']:>11.2f}"
+                     f"{sp:>9}{dsp:>8}{nodes:>9}{s['identical_to_ar']:>7}/{s['prompts']:<4}  {split}")
     return "\n".join(lines)
 
