@@ -1,5 +1,6 @@
 """Draft gating (taps.decode.policies.gate): the backoff schedule, and in the decode loop: skipped rounds
-run no drafter, verify the root alone, keep the output identical to HF generate, and reset per generation."""
+run no drafter, verify the root alone, keep the output identical to HF generate, and carry the estimate from one
+generation to the next."""
 import math
 import random
 
@@ -249,14 +250,22 @@ def test_gated_rounds_skip_the_drafter_and_stay_lossless(kind):
     assert seen_plain
 
 
-def test_gate_state_is_reset_between_generations():
+def test_gate_estimate_carries_across_generations():
     target, drafter = tiny_target(0), tiny_drafter(0)
     pol = make("taps", True, slope=1.0)
     dec = SpeculativeDecoder(target, pol, drafter=drafter)
     dec.generate([1, 2, 3], 20)
-    assert pol.gate.backoff > 1
-    res = dec.generate([4, 5, 6], 5)
-    assert res.stats.rounds[0].drafted
+    backoff, estimate = pol.gate.backoff, pol.gate.log_ratio
+    assert backoff >= 4 and estimate < 0
+    res = dec.generate([4, 5, 6], 8)
+    rounds = res.stats.rounds
+    # the first round probes; its loss skips the carried backoff (a fresh gate would have probed again at round 2)
+    assert rounds[0].drafted and not any(r.drafted for r in rounds[1:4])
+    assert res.token_ids == hf_greedy(target, [4, 5, 6], 8)
+    gate = DraftGate()
+    gate.backoff, gate.log_ratio, gate.skip_left = 8, -1.0, 3
+    gate.restart()
+    assert (gate.skip_left, gate.backoff, gate.log_ratio) == (0, 8, -1.0) and gate.wants_draft()
 
 
 def test_winning_trees_never_gate():

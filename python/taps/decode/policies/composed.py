@@ -98,7 +98,7 @@ class ComposedPolicy(TreePolicy):
 
     def reset(self) -> None:
         if self.gate is not None:
-            self.gate.reset()
+            self.gate.restart()
         if self.lookup is not None:
             self.lookup.reset()
         if self.draft is not None:
