@@ -182,6 +182,10 @@ namespace {
 
 typedef int32_t __attribute__((may_alias, aligned(1))) dword;  // 4 activation bytes, read as one
 
+// Rows are taken up to 12 at a time (12 block sums + 12 accumulators + the weights in the 32 registers),
+// in equal chunks (16 rows: 8 + 8, not 12 + 4). The group's records stay in L1 across the chunks.
+constexpr int kRowChunk = 12;
+
 // Rows m0 .. m0 + MC of x over one group of 16 output rows; rows past N are masked out of the store. The steps
 // over a block's 8 dwords go across the rows first, so MC independent vpdpbusd chains hide its latency.
 template <int MC>
@@ -194,7 +198,7 @@ TAPS_VNNI_TARGET void group_q4_1(const uint8_t* rec, int64_t KB, const Interleav
   const float* meta = x.meta + m0 * 2;
   const int64_t astride = x.M * 32, mstride = x.M * 2;
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ41Record, act += astride, meta += mstride) {
-    prefetch_record_ahead(rec, kQ41Record);
+    prefetch_record_ahead(rec, kQ41Record, x.M <= kRowChunk);
     __m512i is[MC];
     for (int c = 0; c < MC; ++c) is[c] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -229,7 +233,7 @@ TAPS_VNNI_TARGET void group_q8_0(const uint8_t* rec, int64_t KB, const Interleav
   const int32_t* a128 = x.asum128 + m0;
   const int64_t astride = x.M * 32, mstride = x.M * 2;
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ80Record, act += astride, meta += mstride, a128 += x.M) {
-    prefetch_record_ahead(rec, kQ80Record);
+    prefetch_record_ahead(rec, kQ80Record, x.M <= kRowChunk);
     __m512i is[MC];
     for (int c = 0; c < MC; ++c) is[c] = _mm512_setzero_si512();
     for (int t = 0; t < 8; ++t) {
@@ -285,10 +289,6 @@ TAPS_VNNI_TARGET void quantize_activations_avx512(const float* x, int64_t M, int
 }
 
 using GroupFn = void (*)(const uint8_t*, int64_t, const Interleaved&, int64_t, float*, int64_t, __mmask16);
-
-// Rows are taken up to 12 at a time (12 block sums + 12 accumulators + the weights in the 32 registers),
-// in equal chunks (16 rows: 8 + 8, not 12 + 4). The group's records stay in L1 across the chunks.
-constexpr int kRowChunk = 12;
 
 TAPS_VNNI_TARGET void packed_linear_vnni(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
                                          const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy,

@@ -167,7 +167,7 @@ TAPS_AMX_TARGET inline void tile_stage(const uint8_t* rec, int64_t kb, int64_t K
   }
   if (kb >= 1 && kb <= KB) Tiles::store(static_cast<int>((kb - 1) & 1), c[(kb - 1) % kRing]);
   if (kb < KB) {
-    prefetch_record_ahead(rec + kb * R, R);
+    prefetch_record_ahead(rec + kb * R, R, /*stream=*/false);  // a tile call has 12 rows or more
     const uint8_t* w = T == BlockType::Q4_1 ? b[kb % kRing] : rec + kb * R;
     Tiles::multiply(static_cast<int>(kb & 1), x.act + (kb * x.M + m0) * kBlock, w);
   }

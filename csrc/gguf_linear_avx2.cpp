@@ -53,6 +53,17 @@ namespace {
 
 typedef int32_t __attribute__((may_alias, aligned(1))) dword;  // 4 activation bytes, read as one
 
+// Rows at a time: 2 * MC block sums, both halves' weights and the broadcasts fill the 16 registers at MC = 3 (the
+// accumulators go to the stack once a block). Four rows spill more, yet a call of exactly 4 rows ran faster as one
+// chunk than as 2 + 2 (7.8 vs 8.5 ms) and no slower than 3 + 1 (the Q4_1 matrices 6.4-6.5 vs 6.4-6.7 ms);
+// from 5 rows on, chunks of at most 3 (16 rows: 29.0 vs 30.7 ms with chunks of 4).
+constexpr int kMaxRowChunk = 4;
+inline int64_t row_chunk(int64_t left) {
+  if (left <= kMaxRowChunk) return left;
+  const int64_t chunks = (left + 2) / 3;
+  return (left + chunks - 1) / chunks;
+}
+
 TAPS_AVX2 inline __m256i broadcast_dword(const int8_t* p) {
   return _mm256_set1_epi32(*reinterpret_cast<const dword*>(p));
 }
@@ -97,7 +108,7 @@ TAPS_AVX2 void group_q4_1(const uint8_t* rec, int64_t KB, const Interleaved& x, 
   const float* meta = x.meta + m0 * 2;
   const int64_t astride = x.M * kBlock, mstride = x.M * 2;
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ41Record, act += astride, meta += mstride) {
-    prefetch_record_ahead(rec, kQ41Record);
+    prefetch_record_ahead(rec, kQ41Record, x.M <= kMaxRowChunk);
     __m256i s16[2][MC];
     for (int j = 0; j < 4; ++j) {
       __m256i wl[2], wh[2];
@@ -143,7 +154,7 @@ TAPS_AVX2 void group_q8_0(const uint8_t* rec, int64_t KB, const Interleaved& x, 
   const float* meta = x.meta + m0 * 2;
   const int64_t astride = x.M * kBlock, mstride = x.M * 2;
   for (int64_t kb = 0; kb < KB; ++kb, rec += kQ80Record, act += astride, meta += mstride) {
-    prefetch_record_ahead(rec, kQ80Record);
+    prefetch_record_ahead(rec, kQ80Record, x.M <= kMaxRowChunk);
     __m256i s32[2][MC];
     for (int t = 0; t < 8; ++t) {
       __m256i q[2], mag[2];
@@ -175,16 +186,6 @@ TAPS_AVX2 void group_q8_0(const uint8_t* rec, int64_t KB, const Interleaved& x, 
 
 using GroupFn = void (*)(const uint8_t*, int64_t, const Interleaved&, int64_t, float*, int64_t, int);
 
-// Rows at a time: 2 * MC block sums, both halves' weights and the broadcasts fill the 16 registers at MC = 3 (the
-// accumulators go to the stack once a block). Four rows spill more, yet a call of exactly 4 rows ran faster as one
-// chunk than as 2 + 2 (7.8 vs 8.5 ms above) and no slower than 3 + 1 (the Q4_1 matrices 6.4-6.5 vs 6.4-6.7 ms);
-// from 5 rows on, chunks of at most 3 (16 rows: 29.0 vs 30.7 ms with chunks of 4).
-constexpr int kMaxRowChunk = 4;
-inline int64_t row_chunk(int64_t left) {
-  if (left <= kMaxRowChunk) return left;
-  const int64_t chunks = (left + 2) / 3;
-  return (left + chunks - 1) / chunks;
-}
 
 }  // namespace
 
