@@ -65,7 +65,7 @@ DRAFTER_DIR = os.path.join(ROOT, "checkpoints", "smollm2-dflash")
 SCORER_DIR = os.path.join(ROOT, "checkpoints", "smollm2-taps-scorer")
 TAU_JSONS = ("bench/results/taps_bench_cpu_full_humaneval.json", "bench/results/taps_bench_cpu_humaneval.json")
 POLICIES = ("ar", "dflash", "ddtree:16", "ddtree:64", "taps", "taps-lookup", "lookup")
-FIXED_STAGES = ("accept", "compaction", "context")
+FIXED_STAGES = ("accept", "context")
 #: tiny shapes of --quick (vocabulary kept: the prompts are SmolLM2 token ids)
 QUICK_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16)

@@ -4,8 +4,8 @@
 // taps_kernels/ops has validated them), re-checks what it relies on for memory safety (device, dtype,
 // shape; errors name the argument, the expectation and what arrived), releases the GIL and loops over
 // the batch with at::parallel_for. Per-thread workspaces are reused across calls, so a call allocates
-// only its output tensors. This unit holds the tree mask, the acceptance walk, KV compaction, the structural
-// check and rows_linear, and registers the module; the other families live in their own *_bindings.cpp.
+// only its output tensors. This unit holds the tree mask, the acceptance walk, the structural check and
+// rows_linear, and registers the module; the other families live in their own *_bindings.cpp.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bind_common.h"
+#include "commit_bindings.h"
 #include "pool_bindings.h"
 #include "round_bindings.h"
 #include "select_bindings.h"
@@ -157,121 +158,11 @@ std::vector<at::Tensor> accept_round(const at::Tensor& tokens_in, const at::Tens
   int64_t* hl = history_lengths.has_value() ? history_lengths->data_ptr<int64_t>() : nullptr;
   for_batch(t.B, t.N * 4, [&](int64_t b) {
     thread_local taps::AcceptWorkspace ws;
-    int64_t* row = pa + b * P;
-    int64_t acc = taps::accept_greedy_one(tk + b * t.N, p + b * t.N, nn[b], tg + b * t.N, P, row, nt + b, ws);
-    if (!on[b]) {
-      acc = 0;
-      std::fill(row + 1, row + P, int64_t{-1});
-    }
-    al[b] = acc;
-    int64_t* out = cm + b * P;
-    for (int64_t j = 0; j < P; ++j) out[j] = j < acc - 1 ? tk[b * t.N + row[j + 1]] : (j == acc - 1 ? nt[b] : -1);
-    if (ht != nullptr) {
-      int64_t* hist = ht + b * (C + 1);
-      for (int64_t j = 0; j < acc; ++j) {
-        if (hl[b] + j >= 0 && hl[b] + j < C) hist[hl[b] + j] = out[j];
-      }
-      hl[b] += acc;
-    }
+    al[b] = taps::accept_round_one(tk + b * t.N, p + b * t.N, nn[b], tg + b * t.N, on[b], P, pa + b * P, nt + b,
+                                   cm + b * P, ht != nullptr ? ht + b * (C + 1) : nullptr,
+                                   hl != nullptr ? hl + b : nullptr, C, ws);
   });
   return {path, accept_len, next_token, committed};
-}
-
-// ------------------------------------------------------------------------------------------------ KV cache
-at::Tensor compact_kv(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                      const at::Tensor& prefix_lens_in, const at::Tensor& path_in) {
-  if (keys.empty() || keys.size() != values.size()) {
-    throw py::value_error("keys/values: expected equally long non-empty lists, received " +
-                          std::to_string(keys.size()) + " and " + std::to_string(values.size()));
-  }
-  check_arg(keys[0], "keys[0]", {at::kFloat, at::kHalf, at::kBFloat16}, {-1, -1, -1, -1});
-  const int64_t B = keys[0].size(0), L = keys[0].size(2);
-  std::vector<taps::KVView> views;
-  for (int group = 0; group < 2; ++group) {
-    const auto& list = group == 0 ? keys : values;
-    for (size_t i = 0; i < list.size(); ++i) {
-      const at::Tensor& c = list[i];
-      const std::string name = std::string(group == 0 ? "keys[" : "values[") + std::to_string(i) + "]";
-      check_arg(c, name, {at::kFloat, at::kHalf, at::kBFloat16}, {B, -1, L, -1});
-      views.push_back({static_cast<char*>(c.data_ptr()), static_cast<int64_t>(c.element_size()), B, c.size(1), L,
-                       c.size(3), c.stride(0), c.stride(1), c.stride(2), c.stride(3)});
-    }
-  }
-  // Tensors written in place must own their memory (as taps_kernels/_checks.py::check_writable_disjoint):
-  // no internal overlap (stride-0 broadcasts), no two tensors whose byte spans intersect. A tensor listed twice
-  // would be moved twice by this sequential loop but once by a parallel backend.
-  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
-  std::vector<std::string> names;
-  for (int group = 0; group < 2; ++group) {
-    const auto& list = group == 0 ? keys : values;
-    for (size_t i = 0; i < list.size(); ++i) {
-      const at::Tensor& c = list[i];
-      const std::string name = std::string(group == 0 ? "keys[" : "values[") + std::to_string(i) + "]";
-      if (at::GradMode::is_enabled() && c.requires_grad()) {
-        throw py::value_error(name + ": requires grad, but compact_kv writes it in place without autograd; detach it "
-                              "or run under torch.no_grad()");
-      }
-      std::vector<std::pair<int64_t, int64_t>> dims;
-      for (int64_t d = 0; d < c.dim(); ++d) {
-        if (c.size(d) > 1) dims.emplace_back(c.stride(d), c.size(d));
-      }
-      std::sort(dims.begin(), dims.end());
-      int64_t reach = 0;
-      for (const auto& [st, sz] : dims) {
-        if (st <= reach) {
-          throw py::value_error(name + ": a tensor written in place must not overlap itself, received shape " +
-                                shape_str(c.sizes()) + " with strides " + shape_str(c.strides()) +
-                                " (a stride-0 broadcast or interleaved strides)");
-        }
-        reach += (sz - 1) * st;
-      }
-      if (c.numel() == 0) continue;
-      const uintptr_t lo = reinterpret_cast<uintptr_t>(c.data_ptr());
-      const uintptr_t hi = lo + static_cast<uintptr_t>((reach + 1) * c.element_size());
-      for (size_t k = 0; k < spans.size(); ++k) {
-        if (lo < spans[k].second && spans[k].first < hi) {
-          if (lo == spans[k].first && hi == spans[k].second) {
-            throw py::value_error("keys/values: the same tensor appears more than once (" + names[k] + " and " + name +
-                                  "); list each cache tensor once");
-          }
-          throw py::value_error(names[k] + " and " + name + ": their memory overlaps; every cache tensor must have "
-                                "its own memory");
-        }
-      }
-      spans.emplace_back(lo, hi);
-      names.push_back(name);
-    }
-  }
-  check_arg(prefix_lens_in, "prefix_lens", {at::kLong, at::kInt}, {B});
-  check_arg(path_in, "path", {at::kLong}, {B, -1});
-  const at::Tensor prefix_lens = prefix_lens_in.to(at::kLong).contiguous(), path = path_in.contiguous();
-  const int64_t P = path.size(1);
-  const int64_t* pl = prefix_lens.data_ptr<int64_t>();
-  const int64_t* pa = path.data_ptr<int64_t>();
-  // Everything is checked before the first write: a rejected call leaves every cache untouched.
-  const int64_t bad = taps::check_compact_path(pa, B, P, pl, L);
-  if (bad >= 0) {
-    const int64_t b = bad / P, j = bad % P;
-    throw py::value_error("path[" + std::to_string(b) + "," + std::to_string(j) + "]: expected strictly increasing "
-                          "node indices followed by -1 padding, with 0 <= prefix_lens[b] <= L = " + std::to_string(L) +
-                          " and node <= L - 1 - prefix_lens[b]; received " + std::to_string(pa[bad]) +
-                          " (prefix_lens[" + std::to_string(b) + "] = " + std::to_string(pl[b]) + ")");
-  }
-  py::gil_scoped_release no_gil;
-  at::Tensor new_lens = at::empty({B}, at::kLong);
-  int64_t* nl = new_lens.data_ptr<int64_t>();
-  std::vector<int64_t> accepted(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t n = 0;
-    while (n < P && pa[b * P + n] >= 0) ++n;
-    accepted[b] = n;
-    nl[b] = pl[b] + n;
-  }
-  // Layers one after another (as the reference), batch rows in parallel: rows of one tensor are disjoint.
-  for (const auto& v : views) {
-    for_batch(B, v.H * P * v.Dh, [&](int64_t b) { taps::compact_kv_row(v, b, pl[b], pa + b * P, accepted[b]); });
-  }
-  return new_lens;
 }
 
 // ------------------------------------------------------------------------------------------------ validation
@@ -330,6 +221,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "taps_kernels C++ CPU backend: tree ops on CPU tensors (see taps_kernels/cpp_impls.py and docs/DESIGN.md)";
   taps_bind::register_pool(m);
   taps_bind::register_select(m);
+  taps_bind::register_commit(m);
   m.def("tree_mask", &tree_mask, "-> [position_ids [B,N] i64, ancestor_bits [B,N,ceil(N/32)] i32]", py::arg("parents"),
         py::arg("depth"), py::arg("num_nodes"), py::arg("prefix_lens"));
   m.def("accept_greedy", &accept_greedy, "-> [path [B,path_len] i64, accept_len [B] i64, next_token [B] i64]",
@@ -339,8 +231,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "to the history in place",
         py::arg("tokens"), py::arg("parents"), py::arg("num_nodes"), py::arg("target_tokens"), py::arg("active"),
         py::arg("path_len"), py::arg("history_tokens") = py::none(), py::arg("history_lengths") = py::none());
-  m.def("compact_kv", &compact_kv, "In place on every cache tensor [B,H,L,Dh]; -> new_lens [B] i64", py::arg("keys"),
-        py::arg("values"), py::arg("prefix_lens"), py::arg("path"));
   taps_bind::register_score(m);
   m.def("rows_linear", &rows_linear, "x [M,K] f32, weight [N,K] f32 or bf16, bias [N] f32 or None -> x . weight^T + bias "
         "[M,N] f32",

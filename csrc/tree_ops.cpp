@@ -510,6 +510,26 @@ int64_t accept_greedy_one(const int64_t* tokens, const int32_t* parents, int32_t
   return n;
 }
 
+int64_t accept_round_one(const int64_t* tokens, const int32_t* parents, int32_t num_nodes, const int64_t* target,
+                         bool active, int32_t path_len, int64_t* path, int64_t* next_token, int64_t* committed,
+                         int64_t* history, int64_t* history_len, int64_t history_cap, AcceptWorkspace& ws) {
+  int64_t n = accept_greedy_one(tokens, parents, num_nodes, target, path_len, path, next_token, ws);
+  if (!active) {
+    n = 0;
+    std::fill(path + 1, path + path_len, int64_t{-1});
+  }
+  for (int64_t j = 0; j < path_len; ++j) {
+    committed[j] = j < n - 1 ? tokens[path[j + 1]] : (j == n - 1 ? *next_token : -1);
+  }
+  if (history != nullptr) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (*history_len + j >= 0 && *history_len + j < history_cap) history[*history_len + j] = committed[j];
+    }
+    *history_len += n;
+  }
+  return n;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 int64_t check_compact_path(const int64_t* path, int64_t B, int64_t P, const int64_t* prefix_lens, int64_t L) {
   for (int64_t b = 0; b < B; ++b) {

@@ -139,6 +139,14 @@ struct AcceptWorkspace {
 int64_t accept_greedy_one(const int64_t* tokens, const int32_t* parents, int32_t num_nodes, const int64_t* target,
                           int32_t path_len, int64_t* path, int64_t* next_token, AcceptWorkspace& ws);
 
+// One row of a decode round's acceptance (taps_kernels.accept_round): the walk above; an idle row (!active)
+// accepts nothing (path [0, -1, ...]); committed [path_len] = the accepted tokens after the root, then
+// *next_token, -1 after; when history is given, the n committed tokens are written at history[*history_len ..]
+// (those at or past history_cap dropped) and *history_len += n. Returns n, the tokens committed.
+int64_t accept_round_one(const int64_t* tokens, const int32_t* parents, int32_t num_nodes, const int64_t* target,
+                         bool active, int32_t path_len, int64_t* path, int64_t* next_token, int64_t* committed,
+                         int64_t* history, int64_t* history_len, int64_t history_cap, AcceptWorkspace& ws);
+
 // ---------------------------------------------------------------------------------------------------------
 // KV compaction on a raw strided buffer [B, H, L, Dh] of elem_size-byte elements (strides in elements).
 struct KVView {

@@ -90,6 +90,10 @@ PREFERENCES: Dict[str, Preference] = {
     "greedy_tokens": Preference((), "torch's argmax", cpu_why="one AVX-512 or AVX2 pass per row (max, then the first "
                                 "equal entry): ~10x torch's last-dimension argmax here"),
     "compact_kv": Preference(("cuda",), "one CUDA launch moves the accepted rows of every layer in place"),
+    "commit_round": Preference(("cuda",), f"torch's argmax, the CUDA walk and the CUDA compaction, {_NO_SYNC}",
+                               cpu_why="one C++ call for the greedy tokens, the walk, the history append, the "
+                                       "compaction and the lengths, through those ops' routines, instead of three "
+                                       "ops and the small tensor ops between them"),
     "score_edges": Preference(
         ("triton",), "the edge MLP spread over the GPU, then one program per tree normalises and propagates",
         cpu_why="C++ scorer (matches the reference within float32 tolerance)"),

@@ -101,6 +101,19 @@ def compact_kv_cpp(keys: List[torch.Tensor], values: List[torch.Tensor], prefix_
     return _C.compact_kv(list(keys), list(values), prefix_lens, path)
 
 
+@register("commit_round", "cpp")
+def commit_round_cpp(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, active: torch.Tensor,
+                     path_len: int, keys: List[torch.Tensor], values: List[torch.Tensor], lengths: torch.Tensor,
+                     logits: Optional[torch.Tensor] = None, target_tokens: Optional[torch.Tensor] = None,
+                     history_tokens: Optional[torch.Tensor] = None, history_lengths: Optional[torch.Tensor] = None,
+                     moves: bool = True):
+    """-> ``(path, accept_len, next_token, committed)`` int64 (:func:`taps_kernels.commit_round`); one C++ call
+    (half and bf16 logits widened to float32 first: the same argmax); checks everything before the first write."""
+    return tuple(_C.commit_round(tokens, parents, num_nodes, active, path_len, keys, values, lengths,
+                                 None if logits is None else logits.float(), target_tokens, history_tokens,
+                                 history_lengths, moves))
+
+
 def _scorer_fields(weights):
     """ScorerWeights as the bindings take them: ``{field: float32 tensor}``, or None for the marginal model."""
     return None if weights is None else {k: t.float() for k, t in weights.tensors().items()}

@@ -19,6 +19,8 @@ import torch
 
 from .backend import load_extension, register
 from .reference.accept import accept_round_from_walk
+from .reference.commit import commit_round_with
+from .reference.greedy import greedy_tokens_reference
 
 _C_cuda, _why = load_extension("_C_cuda")
 if _C_cuda is None:
@@ -133,3 +135,9 @@ def compact_kv_cuda(keys: List[torch.Tensor], values: List[torch.Tensor], prefix
         max_row_units = max(d[2] * d[6] // unit for d in descs)
         _C_cuda.compact_kv(table, B, L, max_heads, max_row_units, unit, prefix_lens, path)
     return prefix_lens + (path >= 0).sum(1)
+
+
+@register("commit_round", "cuda")
+def commit_round_cuda(*args, **kwargs):
+    """:func:`taps_kernels.commit_round` with torch's argmax, the CUDA walk and the CUDA compaction (no host read)."""
+    return commit_round_with(greedy_tokens_reference, accept_round_cuda, compact_kv_cuda, *args, **kwargs)

@@ -12,6 +12,7 @@ import importlib
 from . import reference as ref
 from ._registry import register
 from .reference.build import build_tree_reference
+from .reference.commit import commit_round_reference
 from .reference.score import score_edges_reference
 
 register("topk_stats", "reference")(ref.topk_stats_reference)
@@ -26,6 +27,7 @@ register("accept_greedy", "reference")(ref.accept_greedy_reference)
 register("accept_round", "reference")(ref.accept_round_reference)
 register("greedy_tokens", "reference")(ref.greedy_tokens_reference)
 register("compact_kv", "reference")(ref.compact_kv_reference)
+register("commit_round", "reference")(commit_round_reference)
 register("score_edges", "reference")(score_edges_reference)
 register("rows_linear", "reference")(ref.rows_linear_reference)
 register("lookup_chain", "reference")(ref.lookup_chain_reference)

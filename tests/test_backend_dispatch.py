@@ -47,6 +47,7 @@ EXPECTED = {
     "accept_round": ("cuda", "cpp"),
     "greedy_tokens": ("reference", "cpp"),
     "compact_kv": ("cuda", "cpp"),
+    "commit_round": ("cuda", "cpp"),
     "score_edges": ("triton", "cpp"),
     "lookup_chain": ("reference", "cpp"),
     "graft_chain": ("reference", "cpp"),

@@ -143,7 +143,7 @@ def test_bench_summary_recomputed_from_records(assets, capsys, tmp_path):
             rounds = sum(r["rounds"] for r in recs)
             assert s["rounds"] == rounds
             assert s["tau"] == pytest.approx(sum(r["tau"] * r["rounds"] for r in recs) / rounds, rel=1e-9)
-            assert {"draft", "verify", "accept", "compaction"} <= set(s["time_split_s"])
+            assert {"draft", "verify", "accept", "context"} <= set(s["time_split_s"])
     assert summary["ar"]["speedup"] == 1.0 and summary["ar"]["nodes_per_round"] == 1.0
     assert [p["prompt_tokens"] for p in summary["ar"]["per_prompt"]] == [sum(t["prompt_len"] for t in r["turns"])
                                                                           for r in by["ar"]]

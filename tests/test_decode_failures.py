@@ -55,11 +55,15 @@ def _raise(*args, **kwargs):
 def _inject(m, dec, drafter, where):
     if where == "verify":  # right after the verify forward wrote every row's tree into the cache
         dec.round_hook = _raise
-    elif where == "accept":
-        m.setattr(taps_kernels, "accept_round", _raise)
-    elif where == "compact":  # after accept: the one compaction call moves rows in every layer
-        m.setattr(dec.verifier, "commit_batch", _raise)
-    elif where == "context":  # after compaction advanced the lengths
+    elif where == "commit":  # after the one commit call moved rows in every layer and advanced the lengths
+        real = taps_kernels.commit_round
+
+        def commit_then_raise(*args, **kwargs):
+            real(*args, **kwargs)
+            raise Boom("injected failure after the commit")
+
+        m.setattr(taps_kernels, "commit_round", commit_then_raise)
+    elif where == "context":  # after the commit advanced the lengths
         m.setattr(drafter, "append_context", _raise)
     elif where == "draft":  # after the context rows kept since the last draft were projected
         m.setattr(drafter, "draft", _raise)
@@ -67,7 +71,7 @@ def _inject(m, dec, drafter, where):
         m.setattr(dec.policy, "build", _raise)
 
 
-@pytest.mark.parametrize("where", ["verify", "accept", "compact", "context", "draft", "policy"])
+@pytest.mark.parametrize("where", ["verify", "commit", "context", "draft", "policy"])
 @pytest.mark.parametrize("undrafted", [False, True])
 def test_failed_round_restores_cache(monkeypatch, where, undrafted):
     """``undrafted``: the rounds before the failing one did not draft, so it starts with context rows pending."""
@@ -94,7 +98,7 @@ def test_failed_round_restores_cache(monkeypatch, where, undrafted):
     assert dec.generated == ref
 
 
-@pytest.mark.parametrize("where", ["verify", "compact", "context"])
+@pytest.mark.parametrize("where", ["verify", "commit", "context"])
 def test_failed_batched_round_restores_every_row(monkeypatch, where):
     """Rows of different lengths in one batch: a failed round restores all of them, and decoding goes on to
     each row's own greedy output."""

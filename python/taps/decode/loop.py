@@ -1,5 +1,5 @@
 """The speculative decoding loop, batched: prefill each request alone into its row, then rounds of
-verify -> accept -> compact -> context -> draft -> tree over every running row, with ONE host read per round.
+verify -> commit -> context -> draft -> tree over every running row, with ONE host read per round.
 
 Exactness: every emitted token is the target's own choice (argmax, or a target sample) given its real
 prefix, so greedy output equals plain autoregressive decoding token for token (for every request, whatever
@@ -9,8 +9,8 @@ else shares the batch), and sampled output has the target's distribution. Stop t
 Round structure. A round verifies the trees built at the end of the previous round (or when the request
 joined), then builds the next ones::
 
-    verify (tree_attention) -> choose target tokens -> accept_round (walk, committed tokens, history) -> ONE
-    compact_kv call -> drafter context update -> [draft -> policy tree]  -> ONE packed read to the host
+    verify (tree_attention) -> ONE commit_round call (the target's tokens, the walk, committed tokens, history,
+    KV compaction, lengths) -> drafter context update -> [draft -> policy tree]  -> ONE packed read to the host
 
 The drafter's context update keeps the features; a round that drafts projects those of every round since the
 last draft in one call, so a round that does not draft never pays for the projection.
@@ -57,7 +57,7 @@ from .readout import HostReadout, RoundReadout
 from .sampling import SamplingConfig, choose_tokens, processed_probs
 from .stats import BUILD_STAGES, GenerationStats, RoundStats
 from .timing import RoundClock, StageTimer
-from .tree_ops import IN_ROUND, pad_tree, root_only_tree, slice_tree, truncate_depth  # noqa: F401  (truncate_depth: API)
+from .tree_ops import pad_tree, root_only_tree, slice_tree, truncate_depth  # noqa: F401  (truncate_depth: API)
 from .verifier import make_verifier
 
 #: Largest batch a decoder accepts by default (rows preallocated in the caches).
@@ -396,16 +396,17 @@ class BatchDecoder:
                                                 full_vocab_logits=not self._sub_vocab_logits)
         return self.policy.build(logits, hidden, bonus, depth_cap, timer, rows, **extra)
 
-    def _choose(self, logits: torch.Tensor, rows: List[Optional[_Row]]) -> torch.Tensor:
-        """Target tokens ``[B, N]``: argmax, or per running row one sample per node from its own generator."""
-        out = taps_kernels.greedy_tokens(logits)
+    def _choice(self, logits: torch.Tensor, rows: List[Optional[_Row]]) -> Dict[str, torch.Tensor]:
+        """How the commit chooses the target's tokens: ``{"logits": ...}`` (their argmax) when greedy, else
+        ``{"target_tokens": [B, N]}``: per running row one sample per node from its own generator."""
         if self.sampling.greedy:
-            return out
+            return {"logits": logits}
+        out = taps_kernels.greedy_tokens(logits)
         for b, row in enumerate(rows):
             if row is not None:
                 probs = processed_probs(logits[b], self.sampling)
                 out[b] = torch.multinomial(probs, 1, generator=row.generator).view(-1)
-        return out
+        return {"target_tokens": out}
 
     def step(self) -> Dict[int, RoundStats]:
         """Run one round over the running rows; returns ``{request id: RoundStats}``. On an exception every
@@ -441,7 +442,7 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def _round(self, B: int, rows: List[Optional[_Row]], width: int) -> Dict[int, RoundStats]:
-        """verify -> accept -> commit -> build the next trees -> THE host read -> host bookkeeping."""
+        """verify -> commit -> build the next trees -> THE host read -> host bookkeeping."""
         dev = self.device
         timer = StageTimer(dev, self.profile)
         clock = RoundClock(dev)
@@ -453,13 +454,17 @@ class BatchDecoder:
         chain = width == 1 or self.policy.chain_trees
         with timer("verify"):
             logits, hidden_states = self.verifier.verify_batch(tree, B, chain=chain)
-            target_tokens = self._choose(logits, rows)
         if self.round_hook is not None:
             self.round_hook(self)
         P = min(width - 1, self._max_depth) + 1
-        with timer("accept"):
-            path, accept_len, next_token, committed = self._accept(tree, target_tokens, active, P)
-        self._commit(hidden_states, path, accept_len, chain, timer)
+        with timer("accept"):  # the target's tokens, the walk, the history append, the compaction: one call
+            history = None if self._history is None else self._history.buffers(B)
+            path, accept_len, next_token, committed = self.verifier.commit_round(
+                tree, active, P - 1, history=history, moves=not chain, **self._choice(logits, rows))
+        if self.drafter is not None:
+            with timer("context"):  # the accepted rows' features, kept unprojected until a draft needs them
+                feats = self.verifier.features(hidden_states)
+                self.drafter.append_context(self._state, feats, counts=accept_len, path=path)
         self._remaining[:B] -= accept_len
         bonus = torch.where(active, next_token, self._bonus[:B])
         # the next trees (host decides whether to draft: a row may still need >= 2 tokens after this round)
@@ -477,24 +482,6 @@ class BatchDecoder:
             if rows[b] is not None and not host.root_ok[b]:
                 raise ValueError(f"policy {self.policy.name}: tree root of row {b} is not its bonus token")
         return self._apply(host, rows, built, bonus, drafted, timer.seconds(), RoundClock.seconds(round_end))
-
-    def _accept(self, tree: Tree, target_tokens: torch.Tensor, active: torch.Tensor, P: int):
-        """``(path [B, P], accept_len [B], next_token [B], committed [B, P])`` int64 of the verified trees
-        (:func:`taps_kernels.accept_round`; idle rows accept nothing); the committed tokens join the history."""
-        B = tree.tokens.shape[0]
-        history = None if self._history is None else self._history.buffers(B)
-        return taps_kernels.accept_round(tree, target_tokens, active, P - 1, history=history, validate=IN_ROUND)
-
-    def _commit(self, hidden_states, path: torch.Tensor, accept_len: torch.Tensor, chain: bool,
-                timer: StageTimer) -> None:
-        """Keep the accepted rows in the target cache and hand their features to the drafter's context (kept
-        unprojected until a draft needs them: :meth:`DrafterInference.append_context`)."""
-        with timer("compaction"):
-            self.verifier.commit_batch(path, accept_len, moves=not chain)
-        if self.drafter is not None:
-            with timer("context"):
-                feats = self.verifier.features(hidden_states)
-                self.drafter.append_context(self._state, feats, counts=accept_len, path=path)
 
     def _apply(self, host: HostReadout, rows: List[Optional[_Row]], built: BuiltTree, bonus: torch.Tensor,
                drafted: bool, times: Dict[str, float], round_s: float) -> Dict[int, RoundStats]:

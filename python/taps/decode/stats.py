@@ -4,16 +4,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-#: Stages timed in every round, in the order a round runs them. "context" is the drafter's
-#: update with the accepted tokens' target features (zero for policies without a drafter); "lookup" the
-#: prompt-lookup match and graft (lookup policies only).
-STAGES = ("draft", "pool", "scoring", "selection", "lookup", "verify", "accept", "compaction", "context")
+#: Stages timed in every round, in the order a round runs them. "verify" is the target's forward; "accept" the
+#: commit (the target's tokens, the acceptance walk, KV compaction: :func:`taps_kernels.commit_round`); "context"
+#: the drafter's update with the accepted tokens' target features (zero for policies without a drafter); "lookup"
+#: the prompt-lookup match and graft (lookup policies only).
+STAGES = ("draft", "pool", "scoring", "selection", "lookup", "verify", "accept", "context")
 #: The stages that build the next round's tree (they run at the end of a round, for the tree verified next);
 #: all but "draft" are the policy's own work.
 BUILD_STAGES = STAGES[:5]
 #: The time-split columns of benchmark tables (prefill, then every round stage) and their header.
 SPLIT_STAGES = ("prefill",) + STAGES
-SPLIT_HEADER = "time split % (prefill/draft/pool/score/select/lookup/verify/accept/compact/context)"
+SPLIT_HEADER = "time split % (prefill/draft/pool/score/select/lookup/verify/accept/context)"
 
 
 @dataclass

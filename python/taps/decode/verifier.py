@@ -7,9 +7,10 @@ token the target has run and kept) at positions ``[0, lengths[b])``; positions p
 verify writes row b's tree node ``j`` at ``lengths[b] + j`` (a scatter, no host read), and attention reads
 the buffers in place as strided views ``[:B, :, :L]`` with ``L = max(lengths) + N``; row b sees its own
 ``lengths[b]`` prefix keys plus its tree (``taps_kernels.tree_attention``'s ``prefix_lens``), so rows of
-different lengths share one forward without padding tokens. :meth:`TargetVerifier.commit_batch` keeps only
-the accepted rows of every layer and every row with ONE :func:`taps_kernels.compact_kv` call and advances
-``lengths`` on the device. Undoing a failed round only needs the old ``lengths`` (rows below a length are
+different lengths share one forward without padding tokens. :meth:`CacheVerifier.commit_round` chooses the
+target's tokens, accepts, keeps only the accepted rows of every layer and every row and advances ``lengths`` on
+the device, in ONE :func:`taps_kernels.commit_round` call (:meth:`CacheVerifier.commit_batch`: the compaction alone,
+for a path accepted elsewhere). Undoing a failed round only needs the old ``lengths`` (rows below a length are
 never written by a later round).
 
 ``lengths [max_batch] int64`` lives on the model's device (the truth); ``host_lengths`` is its host mirror,
@@ -190,7 +191,7 @@ class CacheVerifier:
                 use to skip the tree mask.
         Returns:
             ``(logits [B, N, V], hidden states or None)`` (pass the hidden states to :meth:`features`). The
-            cache lengths do not change: the tree rows sit past each length until :meth:`commit_batch`.
+            cache lengths do not change: the tree rows sit past each length until :meth:`commit_round`.
         """
         raise NotImplementedError
 
@@ -203,6 +204,20 @@ class CacheVerifier:
         kv_len = max(self.host_lengths[:B]) + N
         self.reserve(kv_len)
         return B, N, kv_len
+
+    @torch.inference_mode()
+    def commit_round(self, tree: Tree, active: torch.Tensor, max_depth: int, logits: Optional[torch.Tensor] = None,
+                     target_tokens: Optional[torch.Tensor] = None,
+                     history: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, moves: bool = True):
+        """Commit the verified ``tree`` of rows ``[0, B)`` (ONE :func:`taps_kernels.commit_round` call): the target's
+        tokens (the argmax of ``logits [B, N, V]``, or ``target_tokens [B, N]``), the acceptance walk (``active [B]``
+        bool; nodes down to ``max_depth``), the committed tokens' append to ``history``, the accepted rows kept after
+        the prefixes in every layer, and ``lengths += accept_len`` on the device. ``moves`` as in
+        :meth:`commit_batch`. Returns ``(path [B, P], accept_len [B], next_token [B], committed [B, P])`` int64."""
+        B = tree.tokens.shape[0]
+        return taps_kernels.commit_round(tree, active, max_depth, self.keys, self.values, self.lengths[:B],
+                                         logits=logits, target_tokens=target_tokens, history=history, moves=moves,
+                                         validate=IN_ROUND)
 
     @torch.inference_mode()
     def commit_batch(self, path: torch.Tensor, accept_len: torch.Tensor, moves: bool = True) -> None:
