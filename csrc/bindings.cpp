@@ -4,8 +4,9 @@
 // taps_kernels/ops has validated them), re-checks what it relies on for memory safety (device, dtype,
 // shape; errors name the argument, the expectation and what arrived), releases the GIL and loops over
 // the batch with at::parallel_for. Per-thread workspaces are reused across calls, so a call allocates
-// only its output tensors. This unit holds the tree mask, the acceptance walk, the structural check and
-// rows_linear, and registers the module; the other families live in their own *_bindings.cpp.
+// only its output tensors. This unit holds the tree mask, the greedy acceptance walk, the structural check and
+// rows_linear, and registers the module; the other families live in their own *_bindings.cpp (a round's commit:
+// commit_bindings.cpp).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -110,60 +111,6 @@ std::vector<at::Tensor> accept_greedy(const at::Tensor& tokens_in, const at::Ten
   return {path, accept_len, next_token};
 }
 
-// The decode round's acceptance (taps_kernels/reference/accept.py::accept_round_reference): the walk of every row,
-// idle rows accepting nothing, the committed tokens, and the optional in-place append to the token history.
-std::vector<at::Tensor> accept_round(const at::Tensor& tokens_in, const at::Tensor& parents,
-                                     const at::Tensor& num_nodes, const at::Tensor& target_in,
-                                     const at::Tensor& active_in, int64_t path_len,
-                                     const std::optional<at::Tensor>& history_tokens,
-                                     const std::optional<at::Tensor>& history_lengths) {
-  const TreeArgs t = check_tree(parents, at::Tensor(), num_nodes);
-  check_arg(tokens_in, "tree.tokens", {at::kLong}, {t.B, t.N});
-  check_arg(target_in, "target_tokens", {at::kLong}, {t.B, t.N});
-  check_arg(active_in, "active", {at::kBool}, {t.B});
-  if (path_len < 1 || path_len > std::numeric_limits<int32_t>::max() - 1) {
-    throw py::value_error("path_len: expected an int in [1, 2**31 - 2], received " + std::to_string(path_len));
-  }
-  if (history_tokens.has_value() != history_lengths.has_value()) {
-    throw py::value_error("history_tokens/history_lengths: expected both or neither");
-  }
-  int64_t C = 0;
-  if (history_tokens.has_value()) {
-    check_arg(*history_tokens, "history_tokens", {at::kLong}, {t.B, -1});
-    check_arg(*history_lengths, "history_lengths", {at::kLong}, {t.B});
-    C = history_tokens->size(1) - 1;  // column C is the write sink: nothing is written there
-    if (C < 0 || !history_tokens->is_contiguous() || !history_lengths->is_contiguous()) {
-      throw py::value_error("history_tokens/history_lengths: expected contiguous tensors (they are written in "
-                            "place), history_tokens with at least one column, received shape " +
-                            shape_str(history_tokens->sizes()));
-    }
-  }
-  const int32_t P = static_cast<int32_t>(path_len);
-  const at::Tensor tokens = tokens_in.contiguous(), target = target_in.contiguous(), active = active_in.contiguous();
-  py::gil_scoped_release no_gil;
-  at::Tensor path = at::empty({t.B, P}, at::kLong);
-  at::Tensor accept_len = at::empty({t.B}, at::kLong);
-  at::Tensor next_token = at::empty({t.B}, at::kLong);
-  at::Tensor committed = at::empty({t.B, P}, at::kLong);
-  const int64_t* tk = tokens.data_ptr<int64_t>();
-  const int64_t* tg = target.data_ptr<int64_t>();
-  const bool* on = active.data_ptr<bool>();
-  const int32_t* p = t.parents.data_ptr<int32_t>();
-  const int32_t* nn = t.num_nodes.data_ptr<int32_t>();
-  int64_t* pa = path.data_ptr<int64_t>();
-  int64_t* al = accept_len.data_ptr<int64_t>();
-  int64_t* nt = next_token.data_ptr<int64_t>();
-  int64_t* cm = committed.data_ptr<int64_t>();
-  int64_t* ht = history_tokens.has_value() ? history_tokens->data_ptr<int64_t>() : nullptr;
-  int64_t* hl = history_lengths.has_value() ? history_lengths->data_ptr<int64_t>() : nullptr;
-  for_batch(t.B, t.N * 4, [&](int64_t b) {
-    thread_local taps::AcceptWorkspace ws;
-    al[b] = taps::accept_round_one(tk + b * t.N, p + b * t.N, nn[b], tg + b * t.N, on[b], P, pa + b * P, nt + b,
-                                   cm + b * P, ht != nullptr ? ht + b * (C + 1) : nullptr,
-                                   hl != nullptr ? hl + b : nullptr, C, ws);
-  });
-  return {path, accept_len, next_token, committed};
-}
 
 // ------------------------------------------------------------------------------------------------ validation
 std::vector<int64_t> validate_tree(const at::Tensor& tokens_in, const at::Tensor& parents_in, const at::Tensor& depth_in,
@@ -226,11 +173,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("depth"), py::arg("num_nodes"), py::arg("prefix_lens"));
   m.def("accept_greedy", &accept_greedy, "-> [path [B,path_len] i64, accept_len [B] i64, next_token [B] i64]",
         py::arg("tokens"), py::arg("parents"), py::arg("num_nodes"), py::arg("target_tokens"), py::arg("path_len"));
-  m.def("accept_round", &accept_round,
-        "-> [path [B,path_len] i64, accept_len [B] i64, next_token [B] i64, committed [B,path_len] i64]; appends "
-        "to the history in place",
-        py::arg("tokens"), py::arg("parents"), py::arg("num_nodes"), py::arg("target_tokens"), py::arg("active"),
-        py::arg("path_len"), py::arg("history_tokens") = py::none(), py::arg("history_lengths") = py::none());
   taps_bind::register_score(m);
   m.def("rows_linear", &rows_linear, "x [M,K] f32, weight [N,K] f32 or bf16, bias [N] f32 or None -> x . weight^T + bias "
         "[M,N] f32",

@@ -1,7 +1,7 @@
-// taps_kernels._C: a verified round's commit on CPU tensors: KV compaction (taps_kernels.compact_kv) and the whole
-// commit in one call (taps_kernels.commit_round: the greedy tokens, the acceptance walk, the history append, the
-// compaction and the cache lengths), each step through the same C++ routine as its own op, so the result is
-// the chain of public ops' bit for bit.
+// taps_kernels._C: a verified round's commit on CPU tensors: the round's acceptance (taps_kernels.accept_round), KV
+// compaction (taps_kernels.compact_kv) and the whole commit in one call (taps_kernels.commit_round: the greedy
+// tokens, the acceptance walk, the history append, the compaction and the cache lengths), each step through the
+// same C++ routine as its own op, so the result is the chain of public ops' bit for bit.
 //
 // Why commit_round exists: after a target step on a CPU the caches are cold, and the chain of ops between the
 // forward and the next tree (greedy_tokens, accept_round, compact_kv and the lengths' update) cost ~0.26 ms of a 4.6 ms AR round and ~0.6 ms of an 8 ms tree round here, most of it Python,
@@ -144,7 +144,7 @@ at::Tensor compact_kv(const std::vector<at::Tensor>& keys, const std::vector<at:
   return new_lens;
 }
 
-// A [B] int64 tensor the commit writes in place (none when absent): contiguous, so that its data pointer is its
+// A [B] int64 tensor a round writes in place (none when absent): contiguous, so that its data pointer is its
 // first row.
 int64_t* written_in_place(const std::optional<at::Tensor>& t, const std::string& name, int64_t B) {
   if (!t.has_value()) return nullptr;
@@ -156,19 +156,92 @@ int64_t* written_in_place(const std::optional<at::Tensor>& t, const std::string&
   return t->data_ptr<int64_t>();
 }
 
+// A round's acceptance arguments after their checks (taps_kernels.accept_round's, less the target tokens).
+struct RoundArgs {
+  TreeArgs t;
+  at::Tensor tokens, active;
+  int32_t P;
+  int64_t* history = nullptr;  // [B, C + 1], column C the write sink
+  int64_t* history_lengths = nullptr;
+  int64_t C = 0;
+};
+
+RoundArgs check_round(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& num_nodes,
+                      const at::Tensor& active, int64_t path_len, const std::optional<at::Tensor>& history_tokens,
+                      const std::optional<at::Tensor>& history_lengths) {
+  RoundArgs r{check_tree(parents, at::Tensor(), num_nodes), {}, {}, 0};
+  check_arg(tokens, "tree.tokens", {at::kLong}, {r.t.B, r.t.N});
+  check_arg(active, "active", {at::kBool}, {r.t.B});
+  r.P = check_count("path_len", path_len, 1);
+  if (history_tokens.has_value() != history_lengths.has_value()) {
+    throw py::value_error("history_tokens/history_lengths: expected both or neither");
+  }
+  if (history_tokens.has_value()) {
+    check_arg(*history_tokens, "history_tokens", {at::kLong}, {r.t.B, -1});
+    r.C = history_tokens->size(1) - 1;  // column C is the write sink: nothing is written there
+    if (r.C < 0 || !history_tokens->is_contiguous()) {
+      throw py::value_error("history_tokens: expected a contiguous tensor (it is written in place) with at least one "
+                            "column, received shape " + shape_str(history_tokens->sizes()) + " and strides " +
+                            shape_str(history_tokens->strides()));
+    }
+    r.history = history_tokens->data_ptr<int64_t>();
+  }
+  r.history_lengths = written_in_place(history_lengths, "history_lengths", r.t.B);
+  r.tokens = tokens.contiguous();
+  r.active = active.contiguous();
+  return r;
+}
+
+// The walk of every row given its target tokens [B, N] (contiguous), the committed tokens and the history append:
+// -> {path [B, P], accept_len [B], next_token [B], committed [B, P]}. Call without the GIL.
+std::vector<at::Tensor> walk_rounds(const RoundArgs& r, const at::Tensor& target) {
+  const int64_t B = r.t.B, N = r.t.N, P = r.P, C = r.C;
+  at::Tensor path = at::empty({B, P}, at::kLong);
+  at::Tensor accept_len = at::empty({B}, at::kLong);
+  at::Tensor next_token = at::empty({B}, at::kLong);
+  at::Tensor committed = at::empty({B, P}, at::kLong);
+  const int64_t* tk = r.tokens.data_ptr<int64_t>();
+  const int64_t* tg = target.data_ptr<int64_t>();
+  const bool* on = r.active.data_ptr<bool>();
+  const int32_t* p = r.t.parents.data_ptr<int32_t>();
+  const int32_t* nn = r.t.num_nodes.data_ptr<int32_t>();
+  int64_t* pa = path.data_ptr<int64_t>();
+  int64_t* al = accept_len.data_ptr<int64_t>();
+  int64_t* nt = next_token.data_ptr<int64_t>();
+  int64_t* cm = committed.data_ptr<int64_t>();
+  int64_t* ht = r.history;
+  int64_t* hl = r.history_lengths;
+  for_batch(B, N * 4, [&](int64_t b) {
+    thread_local taps::AcceptWorkspace ws;
+    al[b] = taps::accept_round_one(tk + b * N, p + b * N, nn[b], tg + b * N, on[b], r.P, pa + b * P, nt + b, cm + b * P,
+                                   ht != nullptr ? ht + b * (C + 1) : nullptr, hl != nullptr ? hl + b : nullptr, C, ws);
+  });
+  return {path, accept_len, next_token, committed};
+}
+
+// The decode round's acceptance (taps_kernels/reference/accept.py::accept_round_reference): the walk of every row,
+// idle rows accepting nothing, the committed tokens, and the optional in-place append to the token history.
+std::vector<at::Tensor> accept_round(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& num_nodes,
+                                     const at::Tensor& target_in, const at::Tensor& active, int64_t path_len,
+                                     const std::optional<at::Tensor>& history_tokens,
+                                     const std::optional<at::Tensor>& history_lengths) {
+  const RoundArgs r = check_round(tokens, parents, num_nodes, active, path_len, history_tokens, history_lengths);
+  check_arg(target_in, "target_tokens", {at::kLong}, {r.t.B, r.t.N});
+  const at::Tensor target = target_in.contiguous();
+  py::gil_scoped_release no_gil;
+  return walk_rounds(r, target);
+}
+
 // taps_kernels/reference/commit.py::commit_round_reference, one call (see commit_round in taps_kernels/ops).
-std::vector<at::Tensor> commit_round(const at::Tensor& tokens_in, const at::Tensor& parents,
-                                     const at::Tensor& num_nodes, const at::Tensor& active_in, int64_t path_len,
-                                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                                     const at::Tensor& lengths, const std::optional<at::Tensor>& logits_in,
+std::vector<at::Tensor> commit_round(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& num_nodes,
+                                     const at::Tensor& active, int64_t path_len, const std::vector<at::Tensor>& keys,
+                                     const std::vector<at::Tensor>& values, const at::Tensor& lengths,
+                                     const std::optional<at::Tensor>& logits_in,
                                      const std::optional<at::Tensor>& target_in,
                                      const std::optional<at::Tensor>& history_tokens,
                                      const std::optional<at::Tensor>& history_lengths, bool moves) {
-  const TreeArgs t = check_tree(parents, at::Tensor(), num_nodes);
-  const int64_t B = t.B, N = t.N;
-  check_arg(tokens_in, "tree.tokens", {at::kLong}, {B, N});
-  check_arg(active_in, "active", {at::kBool}, {B});
-  const int32_t P = check_count("path_len", path_len, 1);
+  const RoundArgs r = check_round(tokens, parents, num_nodes, active, path_len, history_tokens, history_lengths);
+  const int64_t B = r.t.B, N = r.t.N;
   if (logits_in.has_value() == target_in.has_value()) {
     throw py::value_error("logits/target_tokens: expected exactly one of them (logits: the greedy tokens are their "
                           "argmax), received " + std::string(logits_in.has_value() ? "both" : "neither"));
@@ -185,19 +258,6 @@ std::vector<at::Tensor> commit_round(const at::Tensor& tokens_in, const at::Tens
     check_arg(*target_in, "target_tokens", {at::kLong}, {B, N});
     target = target_in->contiguous();
   }
-  int64_t C = 0;
-  if (history_tokens.has_value() != history_lengths.has_value()) {
-    throw py::value_error("history_tokens/history_lengths: expected both or neither");
-  }
-  if (history_tokens.has_value()) {
-    check_arg(*history_tokens, "history_tokens", {at::kLong}, {B, -1});
-    C = history_tokens->size(1) - 1;  // column C is the write sink: nothing is written there
-    if (C < 0 || !history_tokens->is_contiguous()) {
-      throw py::value_error("history_tokens: expected a contiguous tensor (it is written in place) with at least one "
-                            "column, received shape " + shape_str(history_tokens->sizes()));
-    }
-  }
-  int64_t* hl = written_in_place(history_lengths, "history_lengths", B);
   int64_t* len = written_in_place(lengths, "lengths", B);
   // Without moves the caches are neither read nor written (a chain's accepted rows already sit in place).
   const std::vector<taps::KVView> views = moves ? cache_views(keys, values, B) : std::vector<taps::KVView>();
@@ -216,42 +276,30 @@ std::vector<at::Tensor> commit_round(const at::Tensor& tokens_in, const at::Tens
     }
   }
   // Everything is checked: from here on the call writes and cannot fail half way.
-  const at::Tensor tokens = tokens_in.contiguous(), active = active_in.contiguous();
   py::gil_scoped_release no_gil;
-  at::Tensor path = at::empty({B, P}, at::kLong);
-  at::Tensor accept_len = at::empty({B}, at::kLong);
-  at::Tensor next_token = at::empty({B}, at::kLong);
-  at::Tensor committed = at::empty({B, P}, at::kLong);
   if (logits.defined()) {
     const int64_t V = logits.size(2);
     target = at::empty({B, N}, at::kLong);
     const float* x = logits.data_ptr<float>();
     int64_t* o = target.data_ptr<int64_t>();
-    for_batch(B * N, V, [&](int64_t r) { o[r] = taps::argmax_row(x + r * V, V); });
+    for_batch(B * N, V, [&](int64_t i) { o[i] = taps::argmax_row(x + i * V, V); });
   }
-  const int64_t* tk = tokens.data_ptr<int64_t>();
-  const int64_t* tg = target.data_ptr<int64_t>();
-  const bool* on = active.data_ptr<bool>();
-  const int32_t* p = t.parents.data_ptr<int32_t>();
-  const int32_t* nn = t.num_nodes.data_ptr<int32_t>();
-  int64_t* pa = path.data_ptr<int64_t>();
-  int64_t* al = accept_len.data_ptr<int64_t>();
-  int64_t* nt = next_token.data_ptr<int64_t>();
-  int64_t* cm = committed.data_ptr<int64_t>();
-  int64_t* ht = history_tokens.has_value() ? history_tokens->data_ptr<int64_t>() : nullptr;
-  for_batch(B, N * 4, [&](int64_t b) {
-    thread_local taps::AcceptWorkspace ws;
-    al[b] = taps::accept_round_one(tk + b * N, p + b * N, nn[b], tg + b * N, on[b], P, pa + b * P, nt + b, cm + b * P,
-                                   ht != nullptr ? ht + b * (C + 1) : nullptr, hl != nullptr ? hl + b : nullptr, C, ws);
-  });
-  if (moves) compact_rows(views, B, len, pa, P, al);
-  for (int64_t b = 0; b < B; ++b) len[b] += al[b];
-  return {path, accept_len, next_token, committed};
+  std::vector<at::Tensor> out = walk_rounds(r, target);
+  const int64_t* path = out[0].data_ptr<int64_t>();
+  const int64_t* accept_len = out[1].data_ptr<int64_t>();
+  if (moves) compact_rows(views, B, len, path, r.P, accept_len);
+  for (int64_t b = 0; b < B; ++b) len[b] += accept_len[b];
+  return out;
 }
 
 }  // namespace
 
 void register_commit(py::module& m) {
+  m.def("accept_round", &accept_round,
+        "-> [path [B,path_len] i64, accept_len [B] i64, next_token [B] i64, committed [B,path_len] i64]; appends "
+        "to the history in place",
+        py::arg("tokens"), py::arg("parents"), py::arg("num_nodes"), py::arg("target_tokens"), py::arg("active"),
+        py::arg("path_len"), py::arg("history_tokens") = py::none(), py::arg("history_lengths") = py::none());
   m.def("compact_kv", &compact_kv, "In place on every cache tensor [B,H,L,Dh]; -> new_lens [B] i64", py::arg("keys"),
         py::arg("values"), py::arg("prefix_lens"), py::arg("path"));
   m.def("commit_round", &commit_round,
