@@ -119,6 +119,20 @@ def tree_rows(tree: Tree, b: int = 0):
     return tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist()
 
 
+def random_root_path(rng, tree: Tree, b: int, stop: float = 0.2):
+    """``[(node, token of the child taken), ...]`` down a random path from row ``b``'s root, ending at a leaf or
+    with probability ``stop`` at each step: what a target must choose at each node for the walk to follow it."""
+    par, tok = tree_rows(tree, b)
+    cur, out = 0, []
+    while True:
+        kids = [v for v in range(cur + 1, len(par)) if par[v] == cur]
+        if not kids or rng.random() < stop:
+            return out
+        nxt = rng.choice(kids)
+        out.append((cur, tok[nxt]))
+        cur = nxt
+
+
 def assert_within_torch_error(got: torch.Tensor, torch_out: torch.Tensor, reference: torch.Tensor,
                               factor: float = 2.0, what: str = "") -> None:
     """flash-attention's tolerance rule: the largest error of ``got`` against ``reference`` (the same computation

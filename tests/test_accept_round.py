@@ -8,7 +8,7 @@ import torch
 import taps_kernels as tk
 from taps_kernels import backend as bk
 
-from helpers import random_tree, tree_rows
+from helpers import random_root_path, random_tree, tree_rows
 
 CPU = torch.device("cpu")
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(bool(bk.unavailable_reason(b, CPU, "accept_round")),
@@ -22,16 +22,9 @@ def _case(seed: int, B: int, N: int):
     rng = random.Random(seed)
     tree = random_tree(rng, B, N, vocab=4, parents="recent")
     target = torch.randint(0, 4, (B, N), generator=torch.Generator().manual_seed(seed))
-    for b in range(B):
-        par, tok = tree_rows(tree, b)
-        cur = 0
-        while True:  # steer the target down one child at a time
-            kids = [v for v in range(cur + 1, len(par)) if par[v] == cur]
-            if not kids or rng.random() < 0.2:
-                break
-            nxt = rng.choice(kids)
-            target[b, cur] = tok[nxt]
-            cur = nxt
+    for b in range(B):  # steer the target down one child at a time
+        for node, token in random_root_path(rng, tree, b):
+            target[b, node] = token
     active = torch.tensor([rng.random() < 0.75 for _ in range(B)])
     C = 12
     history = torch.randint(0, 9, (B, C + 1), generator=torch.Generator().manual_seed(seed + 1))

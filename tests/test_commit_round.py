@@ -10,7 +10,7 @@ import taps_kernels as tk
 from taps_kernels import backend as bk
 from taps_kernels.reference import commit_round_reference
 
-from helpers import random_tree, tree_rows
+from helpers import random_root_path, random_tree
 
 CPU = torch.device("cpu")
 CPP = pytest.mark.skipif(bool(bk.unavailable_reason("cpp", CPU, "commit_round")),
@@ -25,16 +25,9 @@ def _case(seed: int, B: int, N: int, R: int, dtype=torch.float32, layers: int = 
     g = torch.Generator().manual_seed(seed)
     tree = random_tree(rng, B, N, vocab=V, parents="recent")
     logits = torch.randint(0, 3, (B, N, V), generator=g).float()
-    for b in range(B):
-        par, tok = tree_rows(tree, b)
-        cur = 0
-        while True:  # steer the argmax down one child at a time
-            kids = [v for v in range(cur + 1, len(par)) if par[v] == cur]
-            if not kids or rng.random() < 0.2:
-                break
-            nxt = rng.choice(kids)
-            logits[b, cur, tok[nxt]] = 5.0
-            cur = nxt
+    for b in range(B):  # steer the argmax down one child at a time
+        for node, token in random_root_path(rng, tree, b):
+            logits[b, node, token] = 5.0
     active = torch.tensor([rng.random() < 0.75 for _ in range(B)])
     Lc = N + rng.randint(0, 9)
     keys = [torch.randn(R, 2, Lc, 16, generator=g).to(dtype) for _ in range(layers)]
