@@ -150,3 +150,28 @@ def test_bad_input_names_the_argument_and_writes_nothing(backend, validate):
             call(**kwargs)
         assert name in str(err.value), (name, str(err.value))
         _assert_same(_writes(case), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moves", [True, False])
+def test_cuda_backend_equals_the_cpu_commit(moves):
+    """On a GPU the default backend chains torch's argmax, the CUDA walk and the CUDA compaction: the same commit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    why = bk.unavailable_reason("cuda", torch.device("cuda"), "commit_round")
+    if why:
+        pytest.skip(why)
+    case = _case(7, 4, 21, 5, torch.float16)
+    tree = case[0]
+    P = int(tree.depth.max()) + 1
+    cpu = _clone(case)
+    want = tk.commit_round(tree, cpu[2], P - 1, cpu[3], cpu[4], cpu[5], logits=cpu[1], history=cpu[6], moves=moves)
+    gpu = _clone(case)
+    dev = torch.device("cuda")
+    tree_d = tree.to(dev)
+    keys, values = [k.to(dev) for k in gpu[3]], [v.to(dev) for v in gpu[4]]
+    lengths, history = gpu[5].to(dev), tuple(h.to(dev) for h in gpu[6])
+    got = tk.commit_round(tree_d, gpu[2].to(dev), P - 1, keys, values, lengths, logits=gpu[1].to(dev), history=history,
+                          moves=moves, validate="none")
+    _assert_same([t.cpu() for t in got], want)
+    _assert_same([t.cpu() for t in keys + values + [lengths, history[0][:, :-1], history[1]]], _writes(cpu))
