@@ -94,11 +94,12 @@ def commit_round(tree: Tree, active: torch.Tensor, max_depth: int, keys: Sequenc
         ``(path [B, P], accept_len [B], next_token [B], committed [B, P])`` int64, as :func:`accept_round`.
     Everything is checked before the first write, so a rejected call leaves every tensor untouched.
     """
+    max_depth = check_int("max_depth", max_depth, minimum=0, maximum=MAX_COUNT - 1)
+    moves = bool(moves)
     name, fn = resolve("commit_round", backend, tree.tokens.device)
     if name != "cpp" or values_checked(validate, tree.tokens.device):
-        _check_commit_args(tree, active, check_int("max_depth", max_depth, minimum=0, maximum=MAX_COUNT - 1), keys,
-                           values, lengths, logits, target_tokens, history, moves, validate)
+        _check_commit_args(tree, active, max_depth, keys, values, lengths, logits, target_tokens, history, moves,
+                           validate)
     h_tokens, h_lengths = (None, None) if history is None else history
-    moves = bool(moves)
-    return fn(tree.tokens, tree.parents, tree.num_nodes, active, int(max_depth) + 1, list(keys) if moves else [],
+    return fn(tree.tokens, tree.parents, tree.num_nodes, active, max_depth + 1, list(keys) if moves else [],
               list(values) if moves else [], lengths, logits, target_tokens, h_tokens, h_lengths, moves)
