@@ -109,6 +109,13 @@ def _round_meta(tokens, parents, num_nodes, target_tokens, active, path_len, his
     return B
 
 
+def check_history_lengths(history_lengths: Optional[torch.Tensor]) -> None:
+    """Value check of a history's lengths: ``>= 0`` (a row's tokens are written from there)."""
+    if history_lengths is not None and bool((history_lengths < 0).any()):
+        (b,) = first_index(history_lengths < 0)
+        raise ValueError(f"history_lengths[{b}]: expected a value >= 0, received {int(history_lengths[b])}")
+
+
 def _round_kernel(tokens, parents, num_nodes, target_tokens, active, path_len, history_tokens=None,
                   history_lengths=None, backend=None, validate=None):
     args = (tokens, parents, num_nodes, target_tokens, active, path_len, history_tokens, history_lengths)
@@ -116,6 +123,7 @@ def _round_kernel(tokens, parents, num_nodes, target_tokens, active, path_len, h
     name, fn = backend_for("accept_round", backend, parents, _round_meta, args, check)
     if check:
         _check_walk_structure(parents, num_nodes)
+        check_history_lengths(history_lengths)
     return fresh(fn(*args), args[:5] + args[6:], name)
 
 
@@ -146,7 +154,7 @@ def accept_round(tree: Tree, target_tokens: torch.Tensor, active: torch.Tensor, 
         target_tokens: ``[B, N] int64``, the target's token after each node.
         active: ``[B] bool``; an idle row gets ``accept_len`` 0, ``path`` ``[0, -1, ...]`` and no committed token.
         max_depth: deepest node that can be accepted (an int ``>= 0``): ``P = max_depth + 1`` columns.
-        history: optional ``(tokens [B, C + 1] int64, lengths [B] int64)``, contiguous: row ``b``'s committed tokens
+        history: optional ``(tokens [B, C + 1] int64, lengths [B] int64 >= 0)``, contiguous: row ``b``'s committed tokens
             are written at ``tokens[b, lengths[b] ...]`` and ``lengths += accept_len``, in place. Column ``C`` is a
             write sink that is never read: tokens that do not fit below it are dropped (callers reserve room).
         validate: as in :func:`accept_greedy`.

@@ -13,11 +13,11 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .._checks import (FLOAT_DTYPES, MAX_COUNT, check_data_device, check_int, check_nonempty, check_tensor,
-                       check_writable_disjoint, first_index, values_checked)
+from .._checks import (FLOAT_DTYPES, MAX_COUNT, check_data_device, check_int, check_nonempty, check_not_grad_tracked,
+                       check_tensor, check_writable_disjoint, first_index, values_checked)
 from ..backend import resolve
 from ..layout import Tree, validate_tree
-from .accept import _round_meta
+from .accept import _round_meta, check_history_lengths
 
 
 def _check_commit_args(tree: Tree, active, max_depth, keys, values, lengths, logits, target_tokens, history,
@@ -40,9 +40,11 @@ def _check_commit_args(tree: Tree, active, max_depth, keys, values, lengths, log
     if not lengths.is_contiguous():
         raise ValueError(f"lengths: expected a contiguous tensor (it is written in place), received strides "
                          f"{tuple(lengths.stride())}")
-    if values_checked(validate, dev) and bool((lengths < 0).any()):
-        (b,) = first_index(lengths < 0)
-        raise ValueError(f"lengths[{b}]: expected a value >= 0, received {int(lengths[b])}")
+    if values_checked(validate, dev):
+        check_history_lengths(h_lengths)
+        if bool((lengths < 0).any()):
+            (b,) = first_index(lengths < 0)
+            raise ValueError(f"lengths[{b}]: expected a value >= 0, received {int(lengths[b])}")
     if not moves:
         return
     if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)) or not keys \
@@ -57,6 +59,7 @@ def _check_commit_args(tree: Tree, active, max_depth, keys, values, lengths, log
     for name, t in named:
         check_tensor(name, t, dtypes=FLOAT_DTYPES, shape=(R, None, L, None), device=dev)
     check_writable_disjoint(named + [("lengths", lengths)])
+    check_not_grad_tracked(named, "commit_round")
     if values_checked(validate, dev):
         bad = lengths > L - N
         if bool(bad.any()):
@@ -84,7 +87,7 @@ def commit_round(tree: Tree, active: torch.Tensor, max_depth: int, keys: Sequenc
             ``+= accept_len`` in place.
         logits: ``[B, N, V]`` float: the target tokens are their argmax (:func:`greedy_tokens`); or
         target_tokens: ``[B, N] int64`` (a target sample per node). Exactly one of the two.
-        history: optional ``(tokens [B, C + 1] int64, lengths [B] int64)``, appended to in place as in
+        history: optional ``(tokens [B, C + 1] int64, lengths [B] int64 >= 0)``, appended to in place as in
             :func:`accept_round`.
         moves: False when no row can need a move (chains: accepted nodes are already contiguous).
         validate: value checks (tree structure, ``lengths`` range): ``"auto"`` (default, or ``TAPS_VALIDATE``) on
@@ -94,6 +97,7 @@ def commit_round(tree: Tree, active: torch.Tensor, max_depth: int, keys: Sequenc
         ``(path [B, P], accept_len [B], next_token [B], committed [B, P])`` int64, as :func:`accept_round`.
     Everything is checked before the first write, so a rejected call leaves every tensor untouched.
     """
+    check_tensor("tree.tokens", tree.tokens, dtypes=(torch.int64,), ndim=2)  # its device picks the backend
     max_depth = check_int("max_depth", max_depth, minimum=0, maximum=MAX_COUNT - 1)
     moves = bool(moves)
     name, fn = resolve("commit_round", backend, tree.tokens.device)

@@ -139,6 +139,13 @@ def base_args(op: str, g: torch.Generator) -> Dict[str, object]:
         keys, values = _caches(g, 2, 2, 12, 3, layers=2)
         return {"keys.0": keys[0], "keys.1": keys[1], "values.0": values[0], "values.1": values[1],
                 "prefix_lens": torch.tensor([2, 4]), "path": torch.tensor([[0, 2, 5, -1], [0, 1, -1, -1]])}
+    if op == "commit_round":  # 3 cache rows for a 2-row tree; integer-valued logits (ties); a history near full
+        t = random_tree(g, 2, 7, vocab=5)
+        keys, values = _caches(g, 3, 2, 12, 3, layers=2)
+        return {**tree_fields("tree", t), "active": torch.tensor([True, False]), "max_depth": 4,
+                "keys.0": keys[0], "keys.1": keys[1], "values.0": values[0], "values.1": values[1],
+                "lengths": torch.tensor([2, 5]), "logits": torch.randint(0, 3, (2, 7, 5), generator=g).float(),
+                "history_tokens": torch.randint(0, 5, (2, 9), generator=g), "history_lengths": torch.tensor([6, 0])}
     if op == "rows_linear":
         return {"x": torch.randn(3, 2, 7, generator=g), "weight": torch.randn(5, 7, generator=g),
                 "bias": torch.randn(5, generator=g)}
@@ -228,6 +235,13 @@ def call(op: str, a: Dict[str, object], backend: str, validate: Optional[str]):
         keys, values = _kv_lists(a)
         out = tk.compact_kv(keys, values, a["prefix_lens"], a["path"], backend=backend, **v)
         return (out, *keys, *values)
+    if op == "commit_round":
+        keys, values = _kv_lists(a)
+        history = (a["history_tokens"], a["history_lengths"])
+        out = tk.commit_round(take_tree(a), a["active"], a["max_depth"], keys, values, a["lengths"], logits=a["logits"],
+                              history=history, backend=backend, **v)
+        sink_free = history[0][:, :-1] if isinstance(history[0], torch.Tensor) and history[0].dim() == 2 else history[0]
+        return (*out, *keys, *values, a["lengths"], sink_free, history[1])  # the history's last column: its sink
     if op == "rows_linear":
         return tk.rows_linear(a["x"], a["weight"], a["bias"], backend=backend)
     if op == "lookup_chain":
@@ -290,6 +304,7 @@ OPS: Dict[str, OpSpec] = {
     "tree_attention": OpSpec(("reference", "triton")),
     "accept_greedy": OpSpec(("reference", "cpp")),
     "compact_kv": OpSpec(("reference", "cpp"), inplace=True),
+    "commit_round": OpSpec(("reference", "cpp"), inplace=True),
     "rows_linear": OpSpec(("reference", "cpp"), validates=False),
     "lookup_chain": OpSpec(("reference", "cpp")),
     "graft_chain": OpSpec(("reference", "cpp")),
