@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._checks import (MAX_COUNT, check_data_device, check_int, check_nonempty, check_output_size, check_tensor,
-                       check_tree_tensors, first_index)
+                       check_tree_tensors, first_index, values_checked)
 from .._library import backend_for, define, fresh, values_asked
 from ..backend import resolve
 from ..layout import Tree, validate_tree
@@ -168,9 +168,14 @@ def accept_round(tree: Tree, target_tokens: torch.Tensor, active: torch.Tensor, 
     check_nonempty("tree.tokens", tree.tokens, [(0, "tree (batch row)")])
     B, N = tree.tokens.shape
     check_tensor("target_tokens", target_tokens, dtypes=(torch.int64,), shape=(B, N), device=tree.device)
+    check_tensor("active", active, dtypes=(torch.bool,), shape=(B,), device=tree.device)
     max_depth = check_int("max_depth", max_depth, minimum=0, maximum=MAX_COUNT - 1)
     check_output_size("max_depth", max_depth, 2 * B * (max_depth + 1) * 8, tree.device)
     h_tokens, h_lengths = (None, None) if history is None else history
+    if values_checked(validate, tree.device):
+        _round_meta(tree.tokens, tree.parents, tree.num_nodes, target_tokens, active, max_depth + 1, h_tokens,
+                    h_lengths)  # the history's metadata before its values are read
+        check_history_lengths(h_lengths)
     return accept_round_op(tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(),
                            target_tokens.contiguous(), active.contiguous(), max_depth + 1, h_tokens, h_lengths,
                            backend, "none")

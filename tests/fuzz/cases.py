@@ -139,6 +139,11 @@ def base_args(op: str, g: torch.Generator) -> Dict[str, object]:
         keys, values = _caches(g, 2, 2, 12, 3, layers=2)
         return {"keys.0": keys[0], "keys.1": keys[1], "values.0": values[0], "values.1": values[1],
                 "prefix_lens": torch.tensor([2, 4]), "path": torch.tensor([[0, 2, 5, -1], [0, 1, -1, -1]])}
+    if op == "accept_round":  # an idle row; a history near full
+        t = random_tree(g, 2, 9, vocab=3)
+        return {**tree_fields("tree", t), "target_tokens": torch.randint(3, (2, 9), generator=g),
+                "active": torch.tensor([False, True]), "max_depth": 5,
+                "history_tokens": torch.randint(0, 3, (2, 8), generator=g), "history_lengths": torch.tensor([3, 6])}
     if op == "commit_round":  # 3 cache rows for a 2-row tree; integer-valued logits (ties); a history near full
         t = random_tree(g, 2, 7, vocab=5)
         keys, values = _caches(g, 3, 2, 12, 3, layers=2)
@@ -175,6 +180,12 @@ def _kv_lists(a):
     keys = [a[k] for k in sorted(k for k in a if k.startswith("keys."))]
     values = [a[k] for k in sorted(k for k in a if k.startswith("values."))]
     return keys, values
+
+
+def _history_read(history):
+    """A history as its readers see it: the last column is the write sink, never read (backends differ there)."""
+    tokens, lengths = history
+    return (tokens[:, :-1] if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 else tokens), lengths
 
 
 def _with_backend_env(backend, fn):
@@ -235,13 +246,17 @@ def call(op: str, a: Dict[str, object], backend: str, validate: Optional[str]):
         keys, values = _kv_lists(a)
         out = tk.compact_kv(keys, values, a["prefix_lens"], a["path"], backend=backend, **v)
         return (out, *keys, *values)
+    if op == "accept_round":
+        history = (a["history_tokens"], a["history_lengths"])
+        out = tk.accept_round(take_tree(a), a["target_tokens"], a["active"], a["max_depth"], history=history,
+                              backend=backend, **v)
+        return (*out, *_history_read(history))
     if op == "commit_round":
         keys, values = _kv_lists(a)
         history = (a["history_tokens"], a["history_lengths"])
         out = tk.commit_round(take_tree(a), a["active"], a["max_depth"], keys, values, a["lengths"], logits=a["logits"],
                               history=history, backend=backend, **v)
-        sink_free = history[0][:, :-1] if isinstance(history[0], torch.Tensor) and history[0].dim() == 2 else history[0]
-        return (*out, *keys, *values, a["lengths"], sink_free, history[1])  # the history's last column: its sink
+        return (*out, *keys, *values, a["lengths"], *_history_read(history))
     if op == "rows_linear":
         return tk.rows_linear(a["x"], a["weight"], a["bias"], backend=backend)
     if op == "lookup_chain":
@@ -304,6 +319,7 @@ OPS: Dict[str, OpSpec] = {
     "tree_attention": OpSpec(("reference", "triton")),
     "accept_greedy": OpSpec(("reference", "cpp")),
     "compact_kv": OpSpec(("reference", "cpp"), inplace=True),
+    "accept_round": OpSpec(("reference", "cpp"), inplace=True),
     "commit_round": OpSpec(("reference", "cpp"), inplace=True),
     "rows_linear": OpSpec(("reference", "cpp"), validates=False),
     "lookup_chain": OpSpec(("reference", "cpp")),
