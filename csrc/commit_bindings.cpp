@@ -4,8 +4,9 @@
 // same C++ routine as its own op, so the result is the chain of public ops' bit for bit.
 //
 // Why commit_round exists: after a target step on a CPU the caches are cold, and the chain of ops between the
-// forward and the next tree (greedy_tokens, accept_round, compact_kv and the lengths' update) cost ~0.26 ms of a 4.6 ms AR round and ~0.6 ms of an 8 ms tree round here, most of it Python,
-// dispatch and argument checks rather than work.
+// forward and the next tree (greedy_tokens, accept_round, compact_kv and the lengths' update) cost ~0.26 ms of a
+// 4.6 ms AR round and ~0.6 ms of an 8 ms tree round here, most of it Python, dispatch and argument checks rather
+// than work.
 #include "commit_bindings.h"
 
 #include <ATen/Parallel.h>
