@@ -125,3 +125,15 @@ def test_bench_batch_note_names_the_measured_tables():
     assert latency_note(SimpleNamespace(_latency={"latency": [0.1, 0.2]})) == (
         "one-row table to 1 nodes, no batch tables: a verify priced by its total rows")
     assert latency_note(SimpleNamespace()) is None
+
+
+def test_calibration_sweeps_the_grid_once_per_repeat():
+    """Every grid point is timed in every sweep (a warm-up sweep first, not kept), so a machine that drifts during
+    the calibration shifts all points alike: a clock that slows by one unit per call leaves each point's timings
+    one sweep apart, the same for every point."""
+    from taps.decode import latency
+
+    calls = []
+    out = latency._interleaved([0, 1, 4], 2, lambda n: calls.append(n) or float(len(calls)))
+    assert calls == [0, 1, 4] * 3
+    assert out == {0: [4.0, 7.0], 1: [5.0, 8.0], 4: [6.0, 9.0]}

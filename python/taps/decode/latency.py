@@ -7,8 +7,8 @@ cached as JSON per machine and model under ``$TAPS_CACHE/latency/`` (default ``~
 Procedure: prefill ``prefix_len`` random tokens; for each ``n`` of a grid (every ``n <= 16``, then every
 4th up to 64, every 16th beyond) run the same verification the decode loop runs
 (:class:`taps.decode.verifier.TargetVerifier`, hidden states requested when a drafter reads them) over a
-random tree of ``n`` non-root nodes, ``repeats`` times after one warm-up, crop the cache back, keep the
-median. The table is interpolated linearly between grid points and made non-decreasing (isotonic fit,
+random tree of ``n`` non-root nodes, crop the cache back; the grid is swept ``repeats`` times after one
+warm-up sweep (so a machine whose speed drifts shifts every point alike), and each point keeps its median. The table is interpolated linearly between grid points and made non-decreasing (isotonic fit,
 pool-adjacent-violators), since noise on a shared machine can invert neighbours. ``t0`` is the median
 time of a drafter pass plus the drafter's context update (0 without a drafter), each timed right after a
 target step as decoding runs them (:func:`measure_draft_time`); each policy adds its own measured
@@ -211,24 +211,18 @@ def measure_latency(model, n_max: int = 64, prefix_len: int = 256, repeats: int 
     prompt = torch.randint(0, V, (1, prefix_len), generator=gen)
     _, feats = ver.prefill(prompt)
     grid = sorted(set(grid)) if grid is not None else default_grid(n_max)
-    raw = {}
-    it = grid
-    if progress:
-        from tqdm import tqdm
-        it = tqdm(grid, desc="calibrate", unit="n")
-    for n in it:
-        tree = random_tree(n, V, gen, device)
-        times = []
-        for r in range(repeats + 1):
-            _sync(device)
-            t = time.perf_counter()
-            ver.verify(tree)
-            _sync(device)
-            dt = time.perf_counter() - t
-            ver.crop(prefix_len)
-            if r:
-                times.append(dt)
-        raw[n] = statistics.median(times)
+    trees = {n: random_tree(n, V, gen, device) for n in grid}
+
+    def verify_seconds(n: int) -> float:
+        _sync(device)
+        t = time.perf_counter()
+        ver.verify(trees[n])
+        _sync(device)
+        dt = time.perf_counter() - t
+        ver.crop(prefix_len)
+        return dt
+
+    raw = {n: statistics.median(ts) for n, ts in _interleaved(grid, repeats, verify_seconds, progress).items()}
     table = isotonic(interpolate(raw, n_max))
     t0_parts = measure_draft_time(model, drafter, ver, prompt, feats, repeats) if drafter is not None else {}
     batch = {}
@@ -261,23 +255,42 @@ def measure_batch_latency(model, rows: int, n_max: int, prefix_len: int = 256, r
         ver.prefill_row(r, torch.randint(0, V, (prefix_len,), generator=gen).tolist())
     total = rows * n_max
     grid = sorted(set(range(0, total + 1, rows)) | {total})
-    raw = {}
+    batch_trees = {}
     for n in grid:
         per = [n // rows + (1 if r < n % rows else 0) for r in range(rows)]
         trees = [random_tree(k, V, gen, device) for k in per]
         width = max(per) + 1
         trees = [pad_tree(t, width) for t in trees]
-        tree = Tree(*(torch.cat([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "depth", "num_nodes")))
-        times = []
-        for r in range(repeats + 1):
-            _sync(device)
-            t = time.perf_counter()
-            ver.verify_batch(tree, rows)
-            _sync(device)
-            if r:
-                times.append(time.perf_counter() - t)
-        raw[n] = statistics.median(times)
+        batch_trees[n] = Tree(*(torch.cat([getattr(t, f) for t in trees])
+                                for f in ("tokens", "parents", "depth", "num_nodes")))
+
+    def verify_seconds(n: int) -> float:
+        _sync(device)
+        t = time.perf_counter()
+        ver.verify_batch(batch_trees[n], rows)
+        _sync(device)
+        return time.perf_counter() - t
+
+    raw = {n: statistics.median(ts) for n, ts in _interleaved(grid, repeats, verify_seconds).items()}
     return isotonic(interpolate(raw, total))
+
+
+def _interleaved(grid: List[int], repeats: int, seconds_of, progress: bool = False) -> Dict[int, List[float]]:
+    """``{n: [repeats timings]}`` of ``seconds_of(n)`` for every grid point, the grid swept once per repeat after
+    one warm-up sweep: a machine whose speed drifts during the calibration (shared cores) then shifts every point
+    alike instead of bending the curve's shape (measured point by point, a table's small trees could come from a
+    fast minute and its large ones from a slow one)."""
+    sweeps = range(repeats + 1)
+    if progress:
+        from tqdm import tqdm
+        sweeps = tqdm(sweeps, desc="calibrate", unit="sweep")
+    times: Dict[int, List[float]] = {n: [] for n in grid}
+    for r in sweeps:
+        for n in grid:
+            dt = seconds_of(n)
+            if r:
+                times[n].append(dt)
+    return times
 
 
 #: How :func:`measure_draft_time` times a draft (``t0_parts["timed"]``): a cached table timed otherwise gets its
