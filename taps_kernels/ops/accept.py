@@ -154,9 +154,10 @@ def accept_round(tree: Tree, target_tokens: torch.Tensor, active: torch.Tensor, 
         target_tokens: ``[B, N] int64``, the target's token after each node.
         active: ``[B] bool``; an idle row gets ``accept_len`` 0, ``path`` ``[0, -1, ...]`` and no committed token.
         max_depth: deepest node that can be accepted (an int ``>= 0``): ``P = max_depth + 1`` columns.
-        history: optional ``(tokens [B, C + 1] int64, lengths [B] int64 >= 0)``, contiguous: row ``b``'s committed tokens
-            are written at ``tokens[b, lengths[b] ...]`` and ``lengths += accept_len``, in place. Column ``C`` is a
-            write sink that is never read: tokens that do not fit below it are dropped (callers reserve room).
+        history: optional ``(tokens [B, C + 1] int64, lengths [B] int64 >= 0)``, contiguous: row ``b``'s committed
+            tokens are written at ``tokens[b, lengths[b] ...]`` and ``lengths += accept_len``, in place. Column
+            ``C`` is a write sink that is never read: tokens that do not fit below it are dropped (callers reserve
+            room).
         validate: as in :func:`accept_greedy`.
     Returns:
         ``path [B, P]`` (root first, -1 padded), ``accept_len [B]`` (root counted), ``next_token [B]`` (the

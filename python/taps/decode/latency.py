@@ -8,7 +8,8 @@ Procedure: prefill ``prefix_len`` random tokens; for each ``n`` of a grid (every
 4th up to 64, every 16th beyond) run the same verification the decode loop runs
 (:class:`taps.decode.verifier.TargetVerifier`, hidden states requested when a drafter reads them) over a
 random tree of ``n`` non-root nodes, crop the cache back; the grid is swept ``repeats`` times after one
-warm-up sweep (so a machine whose speed drifts shifts every point alike), and each point keeps its median. The table is interpolated linearly between grid points and made non-decreasing (isotonic fit,
+warm-up sweep (so a machine whose speed drifts shifts every point alike), and each point keeps its median.
+The table is interpolated linearly between grid points and made non-decreasing (isotonic fit,
 pool-adjacent-violators), since noise on a shared machine can invert neighbours. ``t0`` is the median
 time of a drafter pass plus the drafter's context update (0 without a drafter), each timed right after a
 target step as decoding runs them (:func:`measure_draft_time`); each policy adds its own measured
