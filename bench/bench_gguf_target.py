@@ -1,7 +1,8 @@
 """The GGUF target on this CPU: (1) the block kernels over all of SmolLM2's 211 matrices at M rows, against
-torch fp32 / bf16 / int8 (fbgemm dynamic) linear layers over the same matrices and the streaming floor;
-(2) a target step (one thread, a prefix of ``--prefix`` tokens) of the GGUF forward against the fp32 HF
-target: decode (1 node) and verifies of n-node trees (chains and bushy trees); (3) a batched decode step as data
+torch fp32 / bf16 / int8 (fbgemm dynamic) linear layers over the same matrices and the streaming floor, and the
+same kernels with two activation digits (the ``gguf-a16`` format, timed alternating with ``gguf``);
+(2) a target step (one thread, a prefix of ``--prefix`` tokens) of the GGUF forward in both formats against the
+fp32 HF target: decode (1 node) and verifies of n-node trees (chains and bushy trees); (3) a batched decode step as data
 generation runs it (``--batch`` rows, each its own prefix of random keys and values, one new token each) with
 the float16 cache the format defines against a float32 one: ms per row at each prefix length; (4) the anatomy of
 a decode step (``--anatomy-prefixes``): the forward of one token at each prefix with and without its logits, so
@@ -71,12 +72,13 @@ def kernel_table(rows, repeats, compare_path=None):
         xs = {K: torch.randn(M, K) for K in (576, 1536)}
         xb = {K: x.bfloat16() for K, x in xs.items()}
         own = lambda: [_C.gguf_linear(xs[k], p, t, n, k) for p, t, n, k in mats]  # noqa: E731
+        # the gguf-a16 format's products: two activation digits, twice the rows through the same kernels
+        a16 = lambda: [_C.gguf_linear(xs[k], p, t, n, k, "auto", 2) for p, t, n, k in mats]  # noqa: E731
         rec = {"rows": M}
+        rec["gguf_ms"], rec["gguf_a16_ms"] = _interleaved_median_ms(own, a16, repeats)
         if compare_path:  # another block-kernel path of this CPU over the same matrices (same bits, other units)
             other = lambda: [_C.gguf_linear(xs[k], p, t, n, k, compare_path) for p, t, n, k in mats]  # noqa: E731
-            rec["gguf_ms"], rec[f"{compare_path}_ms"] = _interleaved_median_ms(own, other, repeats)
-        else:
-            rec["gguf_ms"] = _median_ms(own, repeats)
+            _, rec[f"{compare_path}_ms"] = _interleaved_median_ms(own, other, repeats)
         rec["fp32_ms"] = _median_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in fp32], repeats)
         rec["bf16_ms"] = _median_ms(lambda: [torch.nn.functional.linear(xb[w.shape[1]], w) for w in bf16], repeats)
         rec["int8_fbgemm_ms"] = _median_ms(lambda: [m(xs[m.in_features]) for m in int8], repeats)
@@ -101,7 +103,7 @@ def step_table(nodes, prefix, repeats, with_fp32):
     from taps.decode.verifier import make_verifier
     from taps.models.target import load_target
 
-    targets = {"gguf": load_target("smollm2", target_format="gguf")[0]}
+    targets = {fmt: load_target("smollm2", target_format=fmt)[0] for fmt in ("gguf", "gguf-a16")}
     if with_fp32:
         targets["fp32"] = load_target("smollm2", target_format="fp32")[0]
     rng = random.Random(0)
@@ -206,18 +208,19 @@ def main():
           f"all {k['matrices']} matrices of SmolLM2 "
           f"({k['bytes'] / 1e6:.1f} MB of blocks; streaming them once: {k['stream_floor_ms']:.2f} ms)")
     other = f"{args.compare_path}_ms" if args.compare_path else None
-    print(f"{'rows':>5} {'gguf ms':>8} {'GB/s':>6} {'GOP/s':>7} {'fp32 ms':>8} {'bf16 ms':>8} {'int8 ms':>8}"
-          + (f" {other:>9}" if other else ""))
+    print(f"{'rows':>5} {'gguf ms':>8} {'GB/s':>6} {'GOP/s':>7} {'a16 ms':>7} {'fp32 ms':>8} {'bf16 ms':>8} "
+          f"{'int8 ms':>8}" + (f" {other:>9}" if other else ""))
     for r in k["rows"]:
-        print(f"{r['rows']:>5} {r['gguf_ms']:>8.2f} {r['gguf_GBps']:>6.1f} {r['gguf_GOPs']:>7.0f} {r['fp32_ms']:>8.2f} "
-              f"{r['bf16_ms']:>8.2f} {r['int8_fbgemm_ms']:>8.2f}" + (f" {r[other]:>9.2f}" if other else ""))
+        print(f"{r['rows']:>5} {r['gguf_ms']:>8.2f} {r['gguf_GBps']:>6.1f} {r['gguf_GOPs']:>7.0f} "
+              f"{r['gguf_a16_ms']:>7.2f} {r['fp32_ms']:>8.2f} {r['bf16_ms']:>8.2f} {r['int8_fbgemm_ms']:>8.2f}"
+              + (f" {r[other]:>9.2f}" if other else ""))
     res["prefix"] = args.prefix
     res["steps"] = step_table(_ints(args.nodes) or [1], args.prefix, args.repeats, not args.no_fp32)
     print(f"\n# target step, prefix {args.prefix}: one verify forward (logits + the drafter's 5 feature layers)")
-    print(f"{'format':>6} {'nodes':>5} {'shape':>6} {'ms':>8} {'x decode':>8}")
+    print(f"{'format':>8} {'nodes':>5} {'shape':>6} {'ms':>8} {'x decode':>8}")
     base = {s["format"]: s["ms"] for s in res["steps"] if s["nodes"] == 1}
     for s in res["steps"]:
-        print(f"{s['format']:>6} {s['nodes']:>5} {s['shape']:>6} {s['ms']:>8.2f} {s['ms'] / base[s['format']]:>8.2f}")
+        print(f"{s['format']:>8} {s['nodes']:>5} {s['shape']:>6} {s['ms']:>8.2f} {s['ms'] / base[s['format']]:>8.2f}")
     if args.batch:
         res["batch_decode"] = batch_decode_table(args.batch, _ints(args.batch_prefixes),
                                                  max(3, args.repeats // 2))

@@ -1,13 +1,14 @@
 """How far the GGUF target format is from the fp32 one on held-out text (Python standard library sources and
-documentation strings on this machine, never HumanEval or MT-Bench): teacher-forced top-1 agreement of the
-two formats' next-token choices, each format's perplexity, and the largest logit difference.
+documentation strings on this machine, never HumanEval or MT-Bench): teacher-forced top-1 agreement of the two
+formats' next-token choices, each format's perplexity, and the largest logit difference.
 
-Both formats read the same Q4_1 / Q8_0 blocks; they differ in the GGUF forward's int8 activations per 32-block,
-its float16 KV cache (and its float32 reduction orders). The GGUF forward with a float32 cache is measured too
-(``gguf_f32_cache``), so the cache's share of the difference is on record. ``--peer llamacpp`` adds llama.cpp on the
-same file and text (teacher-forced through its single-token decode path, ``taps-llamacpp-logits`` from
-``scripts/build_llamacpp.sh``): its perplexity and its agreement with the fp32 format and with ours. Writes JSON
-(default ``bench/results/gguf_quality_cpu.json``).
+Both formats read the same Q4_1 / Q8_0 blocks; they differ in the GGUF forward's int8 activations per 32-block, its
+float16 KV cache (and its float32 reduction orders). The GGUF forward with a float32 cache is measured too
+(``gguf_f32_cache``), so the cache's share of the difference is on record, and the ``gguf-a16`` format (two int8
+digits per activation, the float16 cache: ``gguf_a16``), so is the int8 rounding's. ``--peer llamacpp`` adds
+llama.cpp on the same file and text (teacher-forced through its single-token decode path, ``taps-llamacpp-logits``
+from ``scripts/build_llamacpp.sh``): its perplexity and its agreement with the fp32 format and with ours. Writes
+JSON (default ``bench/results/gguf_quality_cpu.json``).
 """
 import argparse
 import json
@@ -56,9 +57,11 @@ def main():
     fp32, tok = load_target("smollm2", target_format="fp32", linear_kernel="torch")
     gguf, _ = load_target("smollm2", target_format="gguf")
     gguf_f32_cache = load_gguf_target(gguf.path, kv_dtype=torch.float32)
+    gguf_a16, _ = load_target("smollm2", target_format="gguf-a16")
     peer = args.peer == "llamacpp"
     # each pair is (theirs, ours): logit_gap's positions predict the chunk's next tokens, so its last row is left out
-    pairs = {"gguf_vs_fp32": ("fp32", "gguf"), "gguf_vs_gguf_f32_cache": ("gguf_f32_cache", "gguf")}
+    pairs = {"gguf_vs_fp32": ("fp32", "gguf"), "gguf_vs_gguf_f32_cache": ("gguf_f32_cache", "gguf"),
+             "gguf_a16_vs_fp32": ("fp32", "gguf_a16")}
     if peer:
         pairs.update(llamacpp_vs_fp32=("fp32", "llamacpp"), llamacpp_vs_gguf=("gguf", "llamacpp"))
     gaps = {pair: [] for pair in pairs}
@@ -66,7 +69,8 @@ def main():
 
     for ids in chunks(tok, args.length, args.chunks):
         logits = {"fp32": fp32(torch.tensor([ids])).logits[0].float(), "gguf": teacher_forced_logits(gguf, ids),
-                  "gguf_f32_cache": teacher_forced_logits(gguf_f32_cache, ids)}
+                  "gguf_f32_cache": teacher_forced_logits(gguf_f32_cache, ids),
+                  "gguf_a16": teacher_forced_logits(gguf_a16, ids)}
         if peer:
             logits["llamacpp"] = llamacpp_logits(gguf.path, ids, 1, args.threads)
         nxt = torch.tensor(ids[1:])
@@ -83,7 +87,8 @@ def main():
            "top1_agreement": totals["gguf_vs_fp32"]["top1_agreement"], "perplexity": ppl,
            "perplexity_ratio": ppl["gguf"] / ppl["fp32"],
            "max_abs_logit_diff": totals["gguf_vs_fp32"]["max_abs_logit_diff"],
-           "top1_agreement_with_f32_cache": totals["gguf_vs_gguf_f32_cache"]["top1_agreement"]}
+           "top1_agreement_with_f32_cache": totals["gguf_vs_gguf_f32_cache"]["top1_agreement"],
+           "gguf_a16": dict(totals["gguf_a16_vs_fp32"], perplexity_ratio=ppl["gguf_a16"] / ppl["fp32"])}
     if peer:
         res["llamacpp"] = {pair: totals[pair] for pair in ("llamacpp_vs_fp32", "llamacpp_vs_gguf", "gguf_vs_fp32")}
         res["llamacpp"]["path"] = "taps-llamacpp-logits --no-repack: one token per llama_decode (its greedy path)"

@@ -99,22 +99,33 @@ taps::gguf::KernelPath kernel_path_arg(const std::string& path) {
                         path + "'");
 }
 
-std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, const std::string& path) {
+int64_t check_digits(int64_t digits) {
+  if (digits != 1 && digits != 2) {
+    throw py::value_error("activation_digits: expected 1 or 2, received " + std::to_string(digits));
+  }
+  return digits;
+}
+
+// x [M, K] -> digits * M rows of (a, scale, asum): the leading digits of the M rows, then (two digits) their
+// residual digits (gguf_linear.h).
+std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, const std::string& path, int64_t digits) {
   const taps::gguf::KernelPath kp = kernel_path_arg(path);
+  check_digits(digits);
   check_arg(x_in, "x", {at::kFloat}, {-1, -1});
   const int64_t M = x_in.size(0), K = check_cols(x_in.size(1), "x");
   const at::Tensor x = x_in.contiguous();
-  at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({M, K / 32}, x.options());
-  at::Tensor asum = at::empty({M, K / 32}, x.options().dtype(at::kInt));
-  taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                   asum.data_ptr<int32_t>(), kp);
+  at::Tensor a = at::empty({digits * M, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({digits * M, K / 32}, x.options());
+  at::Tensor asum = at::empty({digits * M, K / 32}, x.options().dtype(at::kInt));
+  auto quantize = digits == 1 ? taps::gguf::quantize_activations : taps::gguf::quantize_activations_two_digits;
+  quantize(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(), asum.data_ptr<int32_t>(), kp);
   return {a, scale, asum};
 }
 
 // x [M, K] f32 . packed [N, K]^T -> y [M, N] f32 through the kernels of `path` (kernel_path_arg).
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t type, int64_t N, int64_t K,
-                       const std::string& path) {
+                       const std::string& path, int64_t digits) {
+  check_digits(digits);
   const BlockType t = block_type(type, "weight");
   check_cols(K, "weight");
   check_arg(x_in, "x", {at::kFloat}, {-1, K});
@@ -126,17 +137,25 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   const int64_t M = x.size(0), KB = K / 32;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  std::vector<int8_t> a(M * K);
-  std::vector<float> scale(M * KB);
-  std::vector<int32_t> asum(M * KB);
+  std::vector<int8_t> a(digits * M * K);
+  std::vector<float> scale(digits * M * KB), both(digits == 2 ? 2 * M * N : 0);
+  std::vector<int32_t> asum(digits * M * KB);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   py::gil_scoped_release no_gil;
-  taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), kp);
   const int64_t groups = (N + taps::gguf::kGroupRows - 1) / taps::gguf::kGroupRows;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    taps::gguf::packed_linear(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1, kp);
-  });
+  if (digits == 1) {
+    taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), kp);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      taps::gguf::packed_linear(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1, kp);
+    });
+  } else {
+    taps::gguf::quantize_activations_two_digits(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), kp);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      taps::gguf::packed_linear_two_digits(t, w, N, K, a.data(), scale.data(), asum.data(), M, both.data(), yp, N, g0,
+                                           g1, kp);
+    });
+  }
   return y;
 }
 
@@ -178,6 +197,9 @@ class GGUFModel {
     w_.vocab = config["vocab"].cast<int64_t>();
     w_.rms_eps = config["rms_eps"].cast<float>();
     w_.rope_base = config["rope_base"].cast<double>();
+    if (config.contains("activation_digits")) {
+      w_.activation_digits = check_digits(config["activation_digits"].cast<int64_t>());
+    }
     const int64_t H = w_.hidden, QD = w_.heads * w_.head_dim, KD = w_.kv_heads * w_.head_dim;
     auto expect = [&](const taps::gguf::PackedMatrix& m, int64_t n, int64_t k, const std::string& name) {
       if (m.rows != n || m.cols != k) {
@@ -373,11 +395,13 @@ void register_gguf(py::module& m) {
   m.def("gguf_dequantize", &gguf_dequantize, "raw GGUF rows [N, K/32*block_bytes] u8, GGML type, K -> [N, K] f32",
         py::arg("raw"), py::arg("type"), py::arg("cols"), py::arg("name") = "weight");
   m.def("gguf_quantize_activations", &gguf_quantize_activations,
-        "x [M, K] f32 -> [a [M, K] i8, scale [M, K/32] f32, asum [M, K/32] i32]; path auto|amx|amx-emulated|vnni|"
-        "avx2|scalar",
-        py::arg("x"), py::arg("path") = "auto");
-  m.def("gguf_linear", &gguf_linear, "x [M, K] f32, packed weight, GGML type, N, K, path -> [M, N] f32",
-        py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("path") = "auto");
+        "x [M, K] f32 -> [a [D*M, K] i8, scale [D*M, K/32] f32, asum [D*M, K/32] i32] for D = activation_digits "
+        "(2: the M rows' leading digits, then their residual digits); path auto|amx|amx-emulated|vnni|avx2|scalar",
+        py::arg("x"), py::arg("path") = "auto", py::arg("activation_digits") = 1);
+  m.def("gguf_linear", &gguf_linear,
+        "x [M, K] f32, packed weight, GGML type, N, K, path, activation_digits (1 or 2) -> [M, N] f32",
+        py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("path") = "auto",
+        py::arg("activation_digits") = 1);
   m.def("gguf_amx_available", &taps::gguf::amx_available,
         "whether the AMX tile kernel runs here: AMX-INT8, the tile permission, and its start-up check against VNNI");
   m.def("gguf_kernel_path", [] { return std::string(taps::gguf::kernel_path_name(taps::gguf::kernel_path())); },

@@ -68,28 +68,45 @@ void norm_rope_heads(const RowOps& ops, float* x, int64_t heads, const float* no
   }
 }
 
+// The quantised activations of M rows: one digit (a, scale, asum [M, ...]) or two ([2M, ...]: the leading
+// digits of the M rows, then their residual digits; gguf_linear.h).
 struct Quantized {
   std::vector<int8_t> a;
   std::vector<float> scale;
   std::vector<int32_t> asum;
-  int64_t M = 0, K = 0;
+  std::vector<float> both;  // two digits: the rows of both digits before they are added, [2M, N]
+  int64_t M = 0, K = 0, digits = 1;
+
+  explicit Quantized(int64_t activation_digits) : digits(activation_digits) {}
 
   void set(const float* x, int64_t m, int64_t k, const ParallelFor& parallel) {
     M = m, K = k;
-    a.resize(static_cast<size_t>(m * k));
-    scale.resize(static_cast<size_t>(m * k / kBlock));
+    const int64_t KB = k / kBlock;
+    a.resize(static_cast<size_t>(digits * m * k));
+    scale.resize(static_cast<size_t>(digits * m * KB));
     asum.resize(scale.size());
-    parallel(m, [&](int64_t r0, int64_t r1) {
-      quantize_activations(x + r0 * k, r1 - r0, k, a.data() + r0 * k, scale.data() + r0 * (k / kBlock),
-                           asum.data() + r0 * (k / kBlock));
-    });
+    if (digits == 1) {
+      parallel(m, [&](int64_t r0, int64_t r1) {
+        quantize_activations(x + r0 * k, r1 - r0, k, a.data() + r0 * k, scale.data() + r0 * KB, asum.data() + r0 * KB);
+      });
+    } else {
+      quantize_activations_two_digits(x, m, k, a.data(), scale.data(), asum.data());
+    }
   }
 };
 
-void linear(const PackedMatrix& w, const Quantized& q, float* y, int64_t ldy, const ParallelFor& parallel) {
+void linear(const PackedMatrix& w, Quantized& q, float* y, int64_t ldy, const ParallelFor& parallel) {
   const int64_t groups = (w.rows + kGroupRows - 1) / kGroupRows;
+  if (q.digits == 1) {
+    parallel(groups, [&](int64_t g0, int64_t g1) {
+      packed_linear(w.type, w.data, w.rows, w.cols, q.a.data(), q.scale.data(), q.asum.data(), q.M, y, ldy, g0, g1);
+    });
+    return;
+  }
+  q.both.resize(static_cast<size_t>(2 * q.M * w.rows));
   parallel(groups, [&](int64_t g0, int64_t g1) {
-    packed_linear(w.type, w.data, w.rows, w.cols, q.a.data(), q.scale.data(), q.asum.data(), q.M, y, ldy, g0, g1);
+    packed_linear_two_digits(w.type, w.data, w.rows, w.cols, q.a.data(), q.scale.data(), q.asum.data(), q.M,
+                             q.both.data(), y, ldy, g0, g1);
   });
 }
 
@@ -198,7 +215,7 @@ void forward(const ModelWeights& w, const ForwardBatch& f, const ParallelFor& pa
 
   std::vector<float> x(M * H), h(M * H), q(M * Hq * D), k(M * Hkv * D), v(M * Hkv * D), att(M * Hq * D);
   std::vector<float> gate(M * F), up(M * F);
-  Quantized qa;
+  Quantized qa(w.activation_digits);
   dequantize_packed_rows(w.embed, f.tokens, M, x.data());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   int64_t feat_stride = f.n_features * H;
@@ -288,7 +305,7 @@ void context_kv(const ModelWeights& w, const float* hidden, const ForwardBatch& 
   check_cache_slots(f);
   std::vector<float> cosv, sinv, k(M * Hkv * D), v(M * Hkv * D);
   rope_tables(w, f.positions, M, cosv, sinv);
-  Quantized qa;
+  Quantized qa(w.activation_digits);
   qa.set(hidden, M, H, parallel);  // once: every layer projects the same rows
   for (int64_t l = 0; l < static_cast<int64_t>(w.layers.size()); ++l) {
     const LayerWeights& lw = w.layers[l];

@@ -53,6 +53,7 @@ struct ModelWeights {
   PackedMatrix embed;              // [vocab, hidden], Q8_0 or Q4_1 (rows are dequantised for the lookup)
   const float* final_norm = nullptr;
   PackedMatrix head;               // [head rows, hidden]: the embedding again when tied, or a vocabulary subset
+  int64_t activation_digits = 1;   // 1 or 2: int8 activations, or two int8 digits of them (gguf_linear.h)
 };
 
 // One forward over B rows of N new tokens each (M = B * N query rows, row index b * N + j).

@@ -139,6 +139,40 @@ void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a
   }
 }
 
+namespace {
+
+constexpr float kResidualSteps = 254.0f;     // the residual digit's steps per step of the leading digit
+constexpr float kTwoDigitLevels = 32258.0f;  // 127 * 254: scale_lo = amax / kTwoDigitLevels
+
+// The residual digits of rows already quantised to a / scale (gguf_linear.h: two digits) into lo / lo_scale /
+// lo_sum; the plain loop.
+void residual_digits_scalar(const float* x, int64_t M, int64_t K, const int8_t* a, const float* scale, int8_t* lo,
+                            float* lo_scale, int32_t* lo_sum) {
+  const int64_t KB = K / kBlock;
+  for (int64_t i = 0; i < M * KB; ++i) {
+    const float* xb = x + i * kBlock;
+    int8_t* lb = lo + i * kBlock;
+    int32_t sum = 0;
+    if (std::isnan(scale[i])) {  // the leading digit's block held inf or NaN: its outputs are NaN already
+      std::memset(lb, 0, kBlock);
+      lo_scale[i] = std::numeric_limits<float>::quiet_NaN();
+    } else {
+      float amax = 0.0f;
+      for (int e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(xb[e]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      for (int e = 0; e < kBlock; ++e) {
+        const float r = xb[e] * inv - static_cast<float>(a[i * kBlock + e]);  // exact (no contraction in this build)
+        lb[e] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(r * kResidualSteps))));
+        sum += lb[e];
+      }
+      lo_scale[i] = amax / kTwoDigitLevels;
+    }
+    lo_sum[i] = sum;
+  }
+}
+
+}  // namespace
+
 void packed_linear_scalar(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
                           const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
                           int64_t g1) {
@@ -288,6 +322,37 @@ TAPS_VNNI_TARGET void quantize_activations_avx512(const float* x, int64_t M, int
   }
 }
 
+// residual_digits_scalar on AVX-512: the same operations per element, so the same bits.
+TAPS_VNNI_TARGET void residual_digits_avx512(const float* x, int64_t M, int64_t K, const int8_t* a, const float* scale,
+                                             int8_t* lo, float* lo_scale, int32_t* lo_sum) {
+  const int64_t KB = K / kBlock;
+  const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
+  const __m512 steps = _mm512_set1_ps(kResidualSteps);
+  for (int64_t i = 0; i < M * KB; ++i) {
+    const float* xb = x + i * kBlock;
+    int8_t* lb = lo + i * kBlock;
+    if (std::isnan(scale[i])) {
+      std::memset(lb, 0, kBlock);
+      lo_scale[i] = std::numeric_limits<float>::quiet_NaN();
+      lo_sum[i] = 0;
+      continue;
+    }
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 iv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m128i a01 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i * kBlock));
+    const __m128i a23 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i * kBlock + 16));
+    const __m512 r0 = _mm512_sub_ps(_mm512_mul_ps(x0, iv), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a01)));
+    const __m512 r1 = _mm512_sub_ps(_mm512_mul_ps(x1, iv), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a23)));
+    const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(r0, steps)), lim), neg);
+    const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(r1, steps)), lim), neg);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lb), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lb + 16), _mm512_cvtepi32_epi8(q1));
+    lo_sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    lo_scale[i] = amax / kTwoDigitLevels;
+  }
+}
+
 using GroupFn = void (*)(const uint8_t*, int64_t, const Interleaved&, int64_t, float*, int64_t, __mmask16);
 
 TAPS_VNNI_TARGET void packed_linear_vnni(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
@@ -409,6 +474,35 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float
 #endif
     case KernelPath::Avx2: quantize_activations_avx2(x, M, K, a, scale, asum); return;
     default: quantize_activations_scalar(x, M, K, a, scale, asum);
+  }
+}
+
+void quantize_activations_two_digits(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
+                                     KernelPath path) {
+  quantize_activations(x, M, K, a, scale, asum, path);
+  const int64_t KB = K / kBlock;
+  int8_t* lo = a + M * K;
+  float* lo_scale = scale + M * KB;
+  int32_t* lo_sum = asum + M * KB;
+  switch (runnable(path)) {
+#ifdef TAPS_HAVE_VNNI_PATH
+    case KernelPath::Amx:
+    case KernelPath::AmxEmulated:
+    case KernelPath::Vnni: residual_digits_avx512(x, M, K, a, scale, lo, lo_scale, lo_sum); return;
+#endif
+    default: residual_digits_scalar(x, M, K, a, scale, lo, lo_scale, lo_sum);
+  }
+}
+
+void packed_linear_two_digits(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                              const float* scale, const int32_t* asum, int64_t M, float* both, float* y, int64_t ldy,
+                              int64_t g0, int64_t g1, KernelPath path) {
+  packed_linear(t, packed, N, K, a, scale, asum, 2 * M, both, N, g0, g1, path);
+  const int64_t n0 = g0 * kGroupRows, n1 = std::min(N, g1 * kGroupRows);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* hi = both + m * N;
+    const float* lo = both + (M + m) * N;
+    for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] = hi[n] + lo[n];
   }
 }
 

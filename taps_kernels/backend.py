@@ -413,6 +413,9 @@ def explain(op: Optional[str] = None, device="cpu", **context) -> str:
     if op is None and device.type == "cpu":
         path, why = gguf_linear_backend()
         lines.append(f"  gguf_linear (GGUF target format): {path} - {why}")
+        if path != "unavailable":
+            lines.append("      gguf-a16 format: the same kernels over twice the rows (each activation's int8 code "
+                         "and its residual's), the two results added in float32")
     return "\n".join(lines)
 
 

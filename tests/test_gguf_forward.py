@@ -7,7 +7,9 @@ greedy tokens with the float32 cache only: its float32 rounding differs from the
 and a last-bit difference that moves a key or value across a float16 rounding step changes it by a float16 ulp,
 which int8 activation quantisation downstream can amplify on a random tiny model. With the float16 cache the
 oracle of lossless decoding is plain greedy decoding over the target's one forward (no decode loop, no tree),
-and the cache's rounding itself is checked bit for bit against torch's."""
+and the cache's rounding itself is checked bit for bit against torch's. The ``gguf-a16`` format's two activation
+digits run as one more case of the same tests (``llama-f32-a16``), against the reference forward with two digits.
+"""
 import dataclasses
 import random
 
@@ -35,15 +37,17 @@ FEATURES = [0, 2]  # a middle layer and the last (the final-normed state, as tra
 KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
 
 
-def _tiny(tmp_path_factory, arch: str, kv: str):
-    """A random tiny ``arch`` GGUF target with a ``kv`` cache and its reference weights (same cache dtype)."""
+def _tiny(tmp_path_factory, arch: str, kv: str, digits: str = "a8"):
+    """A random tiny ``arch`` GGUF target with a ``kv`` cache and one (``a8``) or two (``a16``) activation digits,
+    and its reference weights (same cache dtype and digits)."""
     path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny_{arch}.gguf", arch=arch, vocab=VOCAB,
                            layers=LAYERS)
-    return (load_gguf_target(path, kv_dtype=KV_DTYPES[kv]),
-            dataclasses.replace(reference_weights_from_gguf(path), kv_dtype=KV_DTYPES[kv]))
+    n = {"a8": 1, "a16": 2}[digits]
+    return (load_gguf_target(path, kv_dtype=KV_DTYPES[kv], activation_digits=n),
+            dataclasses.replace(reference_weights_from_gguf(path), kv_dtype=KV_DTYPES[kv], activation_digits=n))
 
 
-@pytest.fixture(scope="module", params=["llama-f16", "qwen3-f16", "llama-f32", "qwen3-f32"])
+@pytest.fixture(scope="module", params=["llama-f16", "qwen3-f16", "llama-f32", "qwen3-f32", "llama-f32-a16"])
 def tiny(request, tmp_path_factory):
     return _tiny(tmp_path_factory, *request.param.split("-"))
 
@@ -253,6 +257,8 @@ def test_forward_rejects_bad_inputs(tiny):
                             torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="kv_dtype: expected torch.float16 or torch.float32"):
         load_gguf_target(target.path, kv_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="activation_digits: expected 1 or 2, received 3"):
+        load_gguf_target(target.path, activation_digits=3)
     with pytest.raises(ValueError, match="keys/values: expected one cache tensor per layer"):
         target.forward_rows(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
                             torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
@@ -421,3 +427,20 @@ def test_other_kernels_in_a_child_process(kernels):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           " or ".join(tests)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def test_a16_format_is_named_in_records_and_keeps_its_own_cost_table(tmp_path):
+    from taps.decode.latency import model_key
+    from taps.models.target import resolve_target_format, target_format_of
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="llama", vocab=VOCAB, layers=LAYERS)
+    assert resolve_target_format("gguf-a16", str(path)) == ("gguf-a16", "asked for")
+    with pytest.raises(ValueError, match="target_format 'gguf-a16': .* not a GGUF file"):
+        resolve_target_format("gguf-a16", str(tmp_path))
+    one, two = load_gguf_target(path), load_gguf_target(path, activation_digits=2)
+    assert (target_format_of(one), target_format_of(two)) == ("gguf", "gguf-a16")
+    assert model_key(two) == model_key(one).replace("-gguf-", "-gguf-a16-")
+    # two digits are another model: the same prompt's logits differ from one digit's
+    prompt = torch.tensor([[3, 5, 7, 11, 13]])
+    logits = [make_verifier(t, FEATURES).prefill(prompt, 8)[0] for t in (one, two)]
+    assert not torch.equal(logits[0], logits[1])

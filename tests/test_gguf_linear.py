@@ -1,11 +1,13 @@
 """The GGUF block kernels (csrc/gguf_linear.h) against their written-out reference, gguf-py's own block
-decoder, and the row-invariance contract (every row of an M-row call equals its 1-row call bit for bit)."""
+decoder, and the row-invariance contract (every row of an M-row call equals its 1-row call bit for bit), with
+one activation digit (int8, the ``gguf`` format) and two (``gguf-a16``)."""
 import numpy as np
 import pytest
 import torch
 
 from gguf_models import random_blocks
-from taps_kernels.reference.gguf import (Q4_1, Q8_0, dequantize_blocks_reference, gguf_linear_reference,
+from taps_kernels.reference.gguf import (Q4_1, Q8_0, TWO_DIGIT_LEVELS, dequantize_blocks_reference,
+                                         gguf_linear_reference, quantize_activations_digits_reference,
                                          quantize_activations_reference)
 
 _C = pytest.importorskip("taps_kernels._C")
@@ -49,19 +51,46 @@ def test_quantize_activations_matches_reference(path):
     assert int(a.abs().max()) == 127
 
 
+@pytest.mark.parametrize("path", ["auto"] + PATHS)
+def test_two_digit_quantisation_matches_reference(path):
+    x = torch.randn(7, 96) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(32)
+    x[1, 32:64] = 0.0  # an all-zero block: both scales 0, codes 0
+    x[2, 5] = float("inf")  # non-finite blocks: both scales NaN, codes 0
+    x[3, 70] = float("nan")
+    x[4, 0:32] = torch.arange(32) / 31 * 2 - 1  # codes on rounding boundaries of the leading digit
+    a, s, asum = _C.gguf_quantize_activations(x, path, 2)
+    ra, rs, rasum = quantize_activations_digits_reference(x, 2)
+    assert a.shape == (14, 96) and s.shape == asum.shape == (14, 3)
+    assert torch.equal(a, ra) and torch.equal(asum, rasum)
+    assert torch.equal(torch.isnan(s), torch.isnan(rs)) and torch.equal(s.nan_to_num(), rs.nan_to_num())
+    assert torch.equal(a[:7], quantize_activations_reference(x)[0])  # the leading digit is the int8 one
+    assert s[8, 1] == 0 and bool(torch.isnan(s[9, 0])) and bool(torch.isnan(s[10, 2]))
+    # what the second digit is for: the two digits hold every finite element to half a step of amax / 32258
+    fin = torch.isfinite(s[:7])
+    s = s.double()
+    back = a[:7].double().view(7, 3, 32) * s[:7, :, None] + a[7:].double().view(7, 3, 32) * s[7:, :, None]
+    amax = x.double().abs().view(7, 3, 32).amax(-1)
+    err = (back - x.double().view(7, 3, 32)).abs().amax(-1)
+    assert bool((err[fin] <= amax[fin] / TWO_DIGIT_LEVELS * 0.5001).all())
+
+
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("N,K", [(1, 32), (17, 96), (33, 160), (100, 64)])
 @pytest.mark.parametrize("M", [1, 3, 9, 17])
 @pytest.mark.parametrize("path", PATHS)
-def test_linear_matches_reference_bit_for_bit(t, N, K, M, path):
+@pytest.mark.parametrize("digits", [1, 2])
+def test_linear_matches_reference_bit_for_bit(t, N, K, M, path, digits):
     raw = _raw(N, K, t, seed=N * K + M)
     x = torch.randn(M, K) * 3
-    y = _C.gguf_linear(x, _C.gguf_pack(raw, t, K), t, N, K, path)
-    assert torch.equal(_bits(y), _bits(gguf_linear_reference(x, raw, t)))
-    # and it is the product it claims to approximate: within the activation quantisation error
+    y = _C.gguf_linear(x, _C.gguf_pack(raw, t, K), t, N, K, path, digits)
+    assert torch.equal(_bits(y), _bits(gguf_linear_reference(x, raw, t, digits)))
+    # and it is the product it claims to approximate: within the activation quantisation error (one code step per
+    # element: amax / 127 with one digit, amax / 32258 with two), plus float32 rounding
     exact = x @ dequantize_blocks_reference(raw, t, K).T
-    step = x.abs().reshape(M, -1, 32).amax(-1).repeat_interleave(32, 1) / 127  # one code step per element
-    bound = (step / 2) @ dequantize_blocks_reference(raw, t, K).abs().T
+    levels = 127 if digits == 1 else TWO_DIGIT_LEVELS
+    step = x.abs().reshape(M, -1, 32).amax(-1).repeat_interleave(32, 1) / levels
+    w_abs = dequantize_blocks_reference(raw, t, K).abs().T
+    bound = (step / 2) @ w_abs + 1e-6 * (x.abs() @ w_abs)
     assert ((y - exact).abs() <= bound * 1.001 + 1e-5).all()
 
 
@@ -107,11 +136,12 @@ def row_invariance_violations(linear, K, rows_per_call=range(1, 65), seed=0):
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("path", PATHS)
-def test_rows_do_not_depend_on_the_call(t, threads, path):
+@pytest.mark.parametrize("digits", [1, 2])
+def test_rows_do_not_depend_on_the_call(t, threads, path, digits):
     N, K = 50, 96
     packed = _C.gguf_pack(_raw(N, K, t), t, K)
     torch.set_num_threads(threads)
-    assert row_invariance_violations(lambda x: _C.gguf_linear(x, packed, t, N, K, path), K) == []
+    assert row_invariance_violations(lambda x: _C.gguf_linear(x, packed, t, N, K, path, digits), K) == []
 
 
 def test_row_invariance_check_catches_a_kernel_that_depends_on_the_call():
@@ -177,6 +207,10 @@ def test_bad_inputs_name_the_argument():
         _C.gguf_linear(torch.randn(2, 64), packed[:-1], Q4_1, 16, 64)  # packed bytes of another size
     with pytest.raises(ValueError, match="path: expected 'auto', 'amx'"):
         _C.gguf_linear(torch.randn(2, 64), packed, Q4_1, 16, 64, "int4")
+    with pytest.raises(ValueError, match="activation_digits: expected 1 or 2, received 3"):
+        _C.gguf_linear(torch.randn(2, 64), packed, Q4_1, 16, 64, "auto", 3)
+    with pytest.raises(ValueError, match="activation_digits: expected 1 or 2, received 0"):
+        _C.gguf_quantize_activations(torch.randn(2, 64), "auto", 0)
     for lacking in {"scalar": ["avx2", "vnni", "amx-emulated", "amx"], "avx2": ["vnni", "amx-emulated", "amx"],
                     "vnni": ["amx"], "amx": []}[_C.gguf_kernel_path()]:
         with pytest.raises(ValueError, match=f"path: '{lacking}' asked, but this CPU lacks"):

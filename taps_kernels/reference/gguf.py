@@ -10,7 +10,9 @@ Block formats (32 elements each):
 The linear layer's numerics (what the kernel must reproduce bit for bit): activations quantised per row
 and 32-block (:func:`quantize_activations_reference`), exact integer block sums, then per block, in block
 order, ``blk = d * float(sum q*a) [+ m * float(sum a)]`` and ``acc = acc + blk * scale`` in float32 with
-separate roundings.
+separate roundings. With two activation digits the rounding residual of each row is quantised again
+(:func:`residual_digits_reference`), its rows run through the same arithmetic, and the two results are added in
+float32.
 """
 from __future__ import annotations
 
@@ -76,13 +78,51 @@ def quantize_activations_reference(x: torch.Tensor):
     return a.reshape(M, K), scale, a.to(torch.int32).sum(dim=-1, dtype=torch.int32)
 
 
-def gguf_linear_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+#: The residual digit's steps per step of the leading one, and the levels of both: ``scale_lo = amax / 32258``.
+RESIDUAL_STEPS = 254.0
+TWO_DIGIT_LEVELS = 127.0 * RESIDUAL_STEPS
+
+
+def residual_digits_reference(x: torch.Tensor, a: torch.Tensor, scale: torch.Tensor):
+    """The second activation digit of ``x [M, K] float32`` already quantised to ``(a, scale)`` by
+    :func:`quantize_activations_reference` -> ``(lo [M, K] int8, scale_lo [M, K/32] float32, losum [M, K/32]
+    int32)``.
+
+    ``lo = round_half_even((x * (127 / amax) - a) * 254)`` in [-127, 127] (the float32 product that rounded to
+    ``a``; its difference to ``a`` is exact), ``scale_lo = amax / 32258``; where ``scale`` is NaN (inf or NaN in the
+    block) ``lo = 0`` and ``scale_lo = NaN``. So ``x ~ a * scale + lo * scale_lo`` to ~15 bits of ``amax``.
+    """
+    M, K = x.shape
+    xb = x.float().reshape(M, K // BLOCK, BLOCK)
+    bad = torch.isnan(scale)
+    amax = torch.where(bad, torch.zeros_like(scale), xb.abs().amax(dim=-1))
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    r = torch.where(bad[..., None], torch.zeros_like(xb), xb * inv[..., None] - a.reshape(M, K // BLOCK, BLOCK).float())
+    lo = torch.round(r * RESIDUAL_STEPS).clamp(-127, 127).to(torch.int8)
+    scale_lo = torch.where(bad, scale, amax / torch.tensor(TWO_DIGIT_LEVELS))
+    return lo.reshape(M, K), scale_lo, lo.to(torch.int32).sum(dim=-1, dtype=torch.int32)
+
+
+def quantize_activations_digits_reference(x: torch.Tensor, digits: int):
+    """``digits`` (1 or 2) rows of activations per row of ``x [M, K]``: ``(a [D*M, K] int8, scale [D*M, K/32],
+    asum [D*M, K/32] int32)``, the leading digits of the M rows, then (two digits) their residual digits."""
+    if digits not in (1, 2):
+        raise ValueError(f"activation_digits: expected 1 or 2, received {digits}")
+    a, scale, asum = quantize_activations_reference(x)
+    if digits == 1:
+        return a, scale, asum
+    lo, scale_lo, losum = residual_digits_reference(x, a, scale)
+    return torch.cat([a, lo]), torch.cat([scale, scale_lo]), torch.cat([asum, losum])
+
+
+def gguf_linear_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: int,
+                          activation_digits: int = 1) -> torch.Tensor:
     """``x [M, K] float32`` times GGUF rows ``raw [N, K/32 * block_bytes] uint8`` transposed -> ``[M, N]``
-    float32, with the kernel's numerics (module docstring), bit for bit."""
+    float32, with the kernel's numerics (module docstring) for ``activation_digits`` 1 or 2, bit for bit."""
     M, K = x.shape
     q, d, m = block_codes_reference(raw, ggml_type, K)
-    a, scale, asum = quantize_activations_reference(x)
-    acc = torch.zeros(M, raw.shape[0], dtype=torch.float32)
+    a, scale, asum = quantize_activations_digits_reference(x, activation_digits)
+    acc = torch.zeros(a.shape[0], raw.shape[0], dtype=torch.float32)
     for kb in range(K // BLOCK):
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
         # integer block sums, exact in float64 (|sum| < 2**20)
@@ -91,7 +131,7 @@ def gguf_linear_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: int) ->
         if m is not None:
             blk = blk + m[None, :, kb] * asum[:, kb, None].float()
         acc = acc + blk * scale[:, kb, None]
-    return acc
+    return acc if activation_digits == 1 else acc[:M] + acc[M:]
 
 
 def quantize_q8_0_reference(weight: torch.Tensor) -> torch.Tensor:

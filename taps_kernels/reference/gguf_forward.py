@@ -22,7 +22,8 @@ from .gguf import dequantize_blocks_reference, gguf_linear_reference
 class ReferenceWeights:
     """Raw GGUF rows as the file stores them: ``matrices[name] = (raw uint8 [N, row_bytes], ggml_type)`` for
     ``blk.{i}.attn_q`` ... ``token_embd`` (and ``output`` when untied); ``vectors[name]`` float32 norms;
-    ``kv_dtype``: what attention reads keys and values as (the GGUF format's cache: float16)."""
+    ``kv_dtype``: what attention reads keys and values as (the GGUF format's cache: float16);
+    ``activation_digits``: int8 digits per activation in the matrix products (1: ``gguf``, 2: ``gguf-a16``)."""
 
     arch: str
     hidden: int
@@ -35,6 +36,7 @@ class ReferenceWeights:
     matrices: Dict[str, tuple]
     vectors: Dict[str, torch.Tensor]
     kv_dtype: torch.dtype = torch.float16
+    activation_digits: int = 1
 
 
 def _permuted_to_hf(raw: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -73,7 +75,7 @@ def decoder_reference(w: ReferenceWeights, tokens: Sequence[int], feature_layers
         raw, t = w.matrices[name]
         if n_head is not None and w.arch == "llama":
             raw = _permuted_to_hf(raw, n_head)
-        return gguf_linear_reference(inp.contiguous(), raw, t)
+        return gguf_linear_reference(inp.contiguous(), raw, t, w.activation_digits)
 
     for i in range(w.layers):
         p = f"blk.{i}."
@@ -103,7 +105,7 @@ def decoder_reference(w: ReferenceWeights, tokens: Sequence[int], feature_layers
     features = torch.cat([by_layer[i] for i in feature_layers], -1) if feature_layers else x.new_zeros(T, 0)
     head = "output" if "output" in w.matrices else "token_embd"
     raw, t = w.matrices[head]
-    return gguf_linear_reference(final, raw, t), features
+    return gguf_linear_reference(final, raw, t, w.activation_digits), features
 
 
 def greedy_reference(w: ReferenceWeights, prompt: Sequence[int], max_new_tokens: int,

@@ -90,7 +90,7 @@ class Harness:
                 "seed": args.seed, "scorer": portable_path(getattr(args, "scorer", None) or scorer_dir()),
                 "order": "AR first, then the other policies rotated by one per prompt",
                 "batch_sizes": self.batch_sizes, "hf_baseline": args.hf_baseline,
-                "prefix_reuse": prefix_reuse_asked(args) and target_format_of(self.model) == "gguf",
+                "prefix_reuse": prefix_reuse_asked(args) and getattr(self.model, "format", None) == "gguf",
                 "hf_prompt_lookup": args.hf_prompt_lookup,
                 "latency_table": portable_path(os.environ["TAPS_LATENCY"]) if os.environ.get("TAPS_LATENCY")
                 else "$TAPS_CACHE/latency (per machine and model)",

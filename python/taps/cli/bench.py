@@ -159,9 +159,7 @@ def run(args) -> int:
     if need_drafter:
         drafter_dir_cli(args)
     model, tok = load_target_cli(args)
-    from taps.models.target import target_format_of
-
-    if target_format_of(model) == "gguf" and (args.hf_baseline or args.hf_prompt_lookup is not None):
+    if getattr(model, "format", None) == "gguf" and (args.hf_baseline or args.hf_prompt_lookup is not None):
         raise CLIError("--hf-baseline / --hf-prompt-lookup run transformers' generate, which needs the fp32 "
                        "target: add --target-format fp32")
     drafter = load_drafter_cli(args, model) if need_drafter else None

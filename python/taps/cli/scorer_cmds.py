@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from taps.models.target import TARGET_FORMATS
+
 from .common import CLIError, positive_int
 
 
@@ -244,7 +246,7 @@ def add_subcommands(sub) -> None:
                    help="share of chat prompts written by the target itself (Magpie), e.g. 0.5")
     p.add_argument("--draft-dtype", choices=("auto", "blocks", "float32", "bfloat16"), default="auto",
                    help="drafter layers' dtype; auto drafts as the decoders do on this machine")
-    p.add_argument("--target-format", default="auto", choices=("auto", "gguf", "fp32"),
+    p.add_argument("--target-format", default="auto", choices=TARGET_FORMATS,
                    help="the target that verifies the pools; auto: as the CLI decoders run it on this machine")
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--threads", type=positive_int, default=None)

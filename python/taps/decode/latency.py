@@ -80,14 +80,15 @@ def machine_key(device: Optional[torch.device] = None) -> str:
 
 def model_key(model) -> str:
     """Name (basename of ``name_or_path``), layers, width, dtype and linear kernel of the target (the GGUF
-    target: its format and KV cache dtype)."""
+    target: its format, activation digits and KV cache dtype)."""
     from taps_kernels.integrations.rows_linear import RowsLinear
 
     cfg = model.config
     name = Path(str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "model"))).name or "model"
     if getattr(model, "format", None) == "gguf":  # the block forward: its own cost curve
         kv = str(model.kv_dtype).replace("torch.", "")
-        return f"{name}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}-gguf-kv{kv}"
+        digits = "-a16" if model.activation_digits == 2 else ""  # twice the integer work: another curve
+        return f"{name}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}-gguf{digits}-kv{kv}"
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     # the few-row kernel changes the verify cost per node count: its tables are kept apart
     linear = "-rowslinear" if any(isinstance(m, RowsLinear) for m in model.modules()) else ""

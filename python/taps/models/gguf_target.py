@@ -44,7 +44,10 @@ class GGUFTarget(torch.nn.Module):
 
     Attributes:
         config: a transformers config of the same architecture (sizes, vocabulary, context length).
-        format: ``"gguf"`` (records name the target format with it).
+        format: ``"gguf"``: the kind of target (the block forward); records name the format through
+            :func:`taps.models.target.target_format_of` (``"gguf"`` or ``"gguf-a16"``).
+        activation_digits: 1 (int8 activations per row and 32-block) or 2 (two int8 digits of each: ~15 bits,
+            the fp32 format's next tokens; ``csrc/gguf_linear.h``).
         kv_dtype: the dtype of the KV cache the forward reads and writes; every cache of this target (the
             verifier's, the data generator's) has it. ``torch.float16`` is the model the format defines;
             ``torch.float32`` keeps keys and values unrounded (the reference decoder's exact oracle tests).
@@ -54,11 +57,12 @@ class GGUFTarget(torch.nn.Module):
     format = "gguf"
 
     def __init__(self, config, model, norms: Dict[str, torch.Tensor], embed_raw: Tuple[torch.Tensor, int],
-                 path: Path, kv_dtype: torch.dtype = torch.float16):
+                 path: Path, kv_dtype: torch.dtype = torch.float16, activation_digits: int = 1):
         super().__init__()
         self.config = config
         self.path = Path(path)
         self.kv_dtype = kv_dtype
+        self.activation_digits = activation_digits
         self._model = model  # taps_kernels._C.GGUFModel (holds the packed blocks)
         # the norm weights are the model's real float32 parameters (they also give parameters() a device/dtype)
         self.norms = torch.nn.ParameterDict({k.replace(".", "_"): torch.nn.Parameter(v, requires_grad=False)
@@ -175,11 +179,12 @@ def _vector(t: GGUFTensor, name: str, n: int) -> torch.Tensor:
     return torch.from_numpy(t.data.view("<f4").astype(np.float32))
 
 
-def load_gguf_target(path, kv_dtype: torch.dtype = torch.float16) -> GGUFTarget:
+def load_gguf_target(path, kv_dtype: torch.dtype = torch.float16, activation_digits: int = 1) -> GGUFTarget:
     """Read a Llama / Qwen3 GGUF file into a :class:`GGUFTarget` whose KV cache holds ``kv_dtype``
-    (``torch.float16``, the format's model, or ``torch.float32``). The header is read by
-    :class:`taps.models.gguf_file.GGUFFile` and each matrix repacked once (~0.2 s for SmolLM2 with transformers
-    already imported; 2.6 s through gguf-py's reader).
+    (``torch.float16``, the format's model, or ``torch.float32``) and whose matrix products take
+    ``activation_digits`` int8 digits of each activation (1, the ``gguf`` format, or 2, ``gguf-a16``). The header
+    is read by :class:`taps.models.gguf_file.GGUFFile` and each matrix repacked once (~0.2 s for SmolLM2 with
+    transformers already imported; 2.6 s through gguf-py's reader).
 
     Raises :class:`GGUFFormatError` naming the tensor for unsupported types, wrong shapes and truncated data,
     and RuntimeError when this CPU cannot run the forward (it needs AVX-512 or AVX2; ``taps_kernels.explain()``).
@@ -188,6 +193,8 @@ def load_gguf_target(path, kv_dtype: torch.dtype = torch.float16) -> GGUFTarget:
 
     if kv_dtype not in (torch.float16, torch.float32):
         raise ValueError(f"kv_dtype: expected torch.float16 or torch.float32, received {kv_dtype}")
+    if activation_digits not in (1, 2):
+        raise ValueError(f"activation_digits: expected 1 or 2, received {activation_digits!r}")
     if not _C.gguf_forward_available():
         raise RuntimeError("the GGUF target needs a CPU with AVX-512, or AVX2 with FMA and F16C (this one lacks "
                            "them): use --target-format fp32")
@@ -242,5 +249,6 @@ def load_gguf_target(path, kv_dtype: torch.dtype = torch.float16) -> GGUFTarget:
     head = embed if tied else packed("output.weight")
     model = _C.GGUFModel({"hidden": H, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
                           "head_dim": D, "ffn": cfg.intermediate_size, "vocab": vocab, "rms_eps": cfg.rms_norm_eps,
-                          "rope_base": cfg.rope_theta}, layers, embed, final_norm, head)
-    return GGUFTarget(cfg, model, norms, (embed_raw, embed_type), path, kv_dtype)
+                          "rope_base": cfg.rope_theta, "activation_digits": activation_digits},
+                         layers, embed, final_norm, head)
+    return GGUFTarget(cfg, model, norms, (embed_raw, embed_type), path, kv_dtype, activation_digits)

