@@ -141,9 +141,6 @@ void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a
 
 namespace {
 
-constexpr float kResidualSteps = 254.0f;     // the residual digit's steps per step of the leading digit
-constexpr float kTwoDigitLevels = 32258.0f;  // 127 * 254: scale_lo = amax / kTwoDigitLevels
-
 // The residual digits of rows already quantised to a / scale (gguf_linear.h: two digits) into lo / lo_scale /
 // lo_sum; the plain loop.
 void residual_digits_scalar(const float* x, int64_t M, int64_t K, const int8_t* a, const float* scale, int8_t* lo,
@@ -490,6 +487,7 @@ void quantize_activations_two_digits(const float* x, int64_t M, int64_t K, int8_
     case KernelPath::AmxEmulated:
     case KernelPath::Vnni: residual_digits_avx512(x, M, K, a, scale, lo, lo_scale, lo_sum); return;
 #endif
+    case KernelPath::Avx2: residual_digits_avx2(x, M, K, a, scale, lo, lo_scale, lo_sum); return;
     default: residual_digits_scalar(x, M, K, a, scale, lo, lo_scale, lo_sum);
   }
 }

@@ -236,6 +236,49 @@ TAPS_AVX2 void quantize_activations_avx2(const float* x, int64_t M, int64_t K, i
   }
 }
 
+// The plain loop's residual digits on AVX2: the same operations per element, so the same bits.
+TAPS_AVX2 void residual_digits_avx2(const float* x, int64_t M, int64_t K, const int8_t* a, const float* scale,
+                                    int8_t* lo, float* lo_scale, int32_t* lo_sum) {
+  const int64_t KB = K / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f), steps = _mm256_set1_ps(kResidualSteps);
+  const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
+  for (int64_t i = 0; i < M * KB; ++i) {
+    const float* xb = x + i * kBlock;
+    int8_t* lb = lo + i * kBlock;
+    if (std::isnan(scale[i])) {
+      std::memset(lb, 0, kBlock);
+      lo_scale[i] = std::numeric_limits<float>::quiet_NaN();
+      lo_sum[i] = 0;
+      continue;
+    }
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i total = _mm256_setzero_si256();
+    alignas(32) int32_t q[32];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 hi = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + i * kBlock + 8 * j))));
+      const __m256 r = _mm256_sub_ps(_mm256_mul_ps(v[j], inv), hi);
+      const __m256i qj = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(r, steps)), lim), neg);
+      total = _mm256_add_epi32(total, qj);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), qj);
+    }
+    for (int e = 0; e < 32; ++e) lb[e] = static_cast<int8_t>(q[e]);
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), total);
+    lo_sum[i] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+    lo_scale[i] = amax / kTwoDigitLevels;
+  }
+}
+
 TAPS_AVX2 void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
                                   const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy,
                                   int64_t g0, int64_t g1) {
@@ -258,6 +301,9 @@ TAPS_AVX2 void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N,
 #else
 void quantize_activations_avx2(const float*, int64_t, int64_t, int8_t*, float*, int32_t*) {
   throw std::logic_error("quantize_activations_avx2: not an x86-64 build");
+}
+void residual_digits_avx2(const float*, int64_t, int64_t, const int8_t*, const float*, int8_t*, float*, int32_t*) {
+  throw std::logic_error("residual_digits_avx2: not an x86-64 build");
 }
 void packed_linear_avx2(BlockType, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*,
                         int64_t, float*, int64_t, int64_t, int64_t) {
