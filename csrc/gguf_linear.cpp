@@ -141,29 +141,25 @@ void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a
 
 namespace {
 
-// The residual digits of rows already quantised to a / scale (gguf_linear.h: two digits) into lo / lo_scale /
-// lo_sum; the plain loop.
-void residual_digits_scalar(const float* x, int64_t M, int64_t K, const int8_t* a, const float* scale, int8_t* lo,
+// The residual digits of rows already quantised to a (gguf_linear.h: two digits) into lo / lo_scale /
+// lo_sum; the plain loop. Blocks holding inf or NaN get codes that quantize_activations_two_digits then clears.
+void residual_digits_scalar(const float* x, int64_t M, int64_t K, const int8_t* a, int8_t* lo,
                             float* lo_scale, int32_t* lo_sum) {
   const int64_t KB = K / kBlock;
   for (int64_t i = 0; i < M * KB; ++i) {
     const float* xb = x + i * kBlock;
     int8_t* lb = lo + i * kBlock;
+    float amax = 0.0f;
+    for (int e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(xb[e]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
-    if (std::isnan(scale[i])) {  // the leading digit's block held inf or NaN: its outputs are NaN already
-      std::memset(lb, 0, kBlock);
-      lo_scale[i] = std::numeric_limits<float>::quiet_NaN();
-    } else {
-      float amax = 0.0f;
-      for (int e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(xb[e]));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int e = 0; e < kBlock; ++e) {
-        const float r = xb[e] * inv - static_cast<float>(a[i * kBlock + e]);  // exact (no contraction in this build)
-        lb[e] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(r * kResidualSteps))));
-        sum += lb[e];
-      }
-      lo_scale[i] = amax / kTwoDigitLevels;
+    for (int e = 0; e < kBlock; ++e) {
+      const float r = xb[e] * inv - static_cast<float>(a[i * kBlock + e]);  // exact (no contraction in this build)
+      const float q = std::nearbyint(r * kResidualSteps);
+      lb[e] = static_cast<int8_t>(q >= -127.0f && q <= 127.0f ? q : (q > 0.0f ? 127.0f : -127.0f));
+      sum += lb[e];
     }
+    lo_scale[i] = amax / kTwoDigitLevels;
     lo_sum[i] = sum;
   }
 }
@@ -320,20 +316,14 @@ TAPS_VNNI_TARGET void quantize_activations_avx512(const float* x, int64_t M, int
 }
 
 // residual_digits_scalar on AVX-512: the same operations per element, so the same bits.
-TAPS_VNNI_TARGET void residual_digits_avx512(const float* x, int64_t M, int64_t K, const int8_t* a, const float* scale,
-                                             int8_t* lo, float* lo_scale, int32_t* lo_sum) {
+TAPS_VNNI_TARGET void residual_digits_avx512(const float* x, int64_t M, int64_t K, const int8_t* a, int8_t* lo,
+                                             float* lo_scale, int32_t* lo_sum) {
   const int64_t KB = K / kBlock;
   const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
   const __m512 steps = _mm512_set1_ps(kResidualSteps);
   for (int64_t i = 0; i < M * KB; ++i) {
     const float* xb = x + i * kBlock;
     int8_t* lb = lo + i * kBlock;
-    if (std::isnan(scale[i])) {
-      std::memset(lb, 0, kBlock);
-      lo_scale[i] = std::numeric_limits<float>::quiet_NaN();
-      lo_sum[i] = 0;
-      continue;
-    }
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     const __m512 iv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
@@ -485,10 +475,17 @@ void quantize_activations_two_digits(const float* x, int64_t M, int64_t K, int8_
 #ifdef TAPS_HAVE_VNNI_PATH
     case KernelPath::Amx:
     case KernelPath::AmxEmulated:
-    case KernelPath::Vnni: residual_digits_avx512(x, M, K, a, scale, lo, lo_scale, lo_sum); return;
+    case KernelPath::Vnni: residual_digits_avx512(x, M, K, a, lo, lo_scale, lo_sum); break;
 #endif
-    case KernelPath::Avx2: residual_digits_avx2(x, M, K, a, scale, lo, lo_scale, lo_sum); return;
-    default: residual_digits_scalar(x, M, K, a, scale, lo, lo_scale, lo_sum);
+    case KernelPath::Avx2: residual_digits_avx2(x, M, K, a, lo, lo_scale, lo_sum); break;
+    default: residual_digits_scalar(x, M, K, a, lo, lo_scale, lo_sum);
+  }
+  for (int64_t i = 0; i < M * KB; ++i) {
+    if (std::isnan(scale[i])) {  // the block held inf or NaN: its outputs are NaN through the leading digit already
+      std::memset(lo + i * kBlock, 0, kBlock);
+      lo_scale[i] = std::numeric_limits<float>::quiet_NaN();
+      lo_sum[i] = 0;
+    }
   }
 }
 

@@ -118,9 +118,10 @@ void packed_linear_scalar(BlockType t, const uint8_t* packed, int64_t N, int64_t
 // The same two operations on AVX2 (gguf_linear_avx2.cpp: vpmaddubsw sums that cannot saturate), for CPUs
 // without AVX-512; the same bits as the plain loops. Callers check avx2_available() first.
 void quantize_activations_avx2(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
-// The residual digits (two-digit quantisation) of rows x already quantised to a / scale, into lo / lo_scale / lo_sum.
-void residual_digits_avx2(const float* x, int64_t M, int64_t K, const int8_t* a, const float* scale, int8_t* lo,
-                          float* lo_scale, int32_t* lo_sum);
+// The residual digits (two-digit quantisation) of rows x already quantised to a, into lo / lo_scale / lo_sum
+// (blocks holding inf or NaN: any codes; quantize_activations_two_digits clears them).
+void residual_digits_avx2(const float* x, int64_t M, int64_t K, const int8_t* a, int8_t* lo, float* lo_scale,
+                          int32_t* lo_sum);
 void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
                         const float* scale, const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0,
                         int64_t g1);

@@ -237,20 +237,14 @@ TAPS_AVX2 void quantize_activations_avx2(const float* x, int64_t M, int64_t K, i
 }
 
 // The plain loop's residual digits on AVX2: the same operations per element, so the same bits.
-TAPS_AVX2 void residual_digits_avx2(const float* x, int64_t M, int64_t K, const int8_t* a, const float* scale,
-                                    int8_t* lo, float* lo_scale, int32_t* lo_sum) {
+TAPS_AVX2 void residual_digits_avx2(const float* x, int64_t M, int64_t K, const int8_t* a, int8_t* lo,
+                                    float* lo_scale, int32_t* lo_sum) {
   const int64_t KB = K / kBlock;
   const __m256 sign = _mm256_set1_ps(-0.0f), steps = _mm256_set1_ps(kResidualSteps);
   const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
   for (int64_t i = 0; i < M * KB; ++i) {
     const float* xb = x + i * kBlock;
     int8_t* lb = lo + i * kBlock;
-    if (std::isnan(scale[i])) {
-      std::memset(lb, 0, kBlock);
-      lo_scale[i] = std::numeric_limits<float>::quiet_NaN();
-      lo_sum[i] = 0;
-      continue;
-    }
     __m256 v[4], mx = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
       v[j] = _mm256_loadu_ps(xb + 8 * j);
@@ -302,7 +296,7 @@ TAPS_AVX2 void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N,
 void quantize_activations_avx2(const float*, int64_t, int64_t, int8_t*, float*, int32_t*) {
   throw std::logic_error("quantize_activations_avx2: not an x86-64 build");
 }
-void residual_digits_avx2(const float*, int64_t, int64_t, const int8_t*, const float*, int8_t*, float*, int32_t*) {
+void residual_digits_avx2(const float*, int64_t, int64_t, const int8_t*, int8_t*, float*, int32_t*) {
   throw std::logic_error("residual_digits_avx2: not an x86-64 build");
 }
 void packed_linear_avx2(BlockType, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*,
