@@ -53,7 +53,8 @@ def test_quantize_activations_matches_reference(path):
 
 @pytest.mark.parametrize("path", ["auto"] + PATHS)
 def test_two_digit_quantisation_matches_reference(path):
-    x = torch.randn(7, 96) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(32)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(7, 96, generator=g) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(32)
     x[1, 32:64] = 0.0  # an all-zero block: both scales 0, codes 0
     x[2, 5] = float("inf")  # non-finite blocks: both scales NaN, codes 0
     x[3, 70] = float("nan")
@@ -65,13 +66,14 @@ def test_two_digit_quantisation_matches_reference(path):
     assert torch.equal(torch.isnan(s), torch.isnan(rs)) and torch.equal(s.nan_to_num(), rs.nan_to_num())
     assert torch.equal(a[:7], quantize_activations_reference(x)[0])  # the leading digit is the int8 one
     assert s[8, 1] == 0 and bool(torch.isnan(s[9, 0])) and bool(torch.isnan(s[10, 2]))
-    # what the second digit is for: the two digits hold every finite element to half a step of amax / 32258
+    # what the second digit is for: the two digits hold every finite element to half a step of amax / 32258, plus
+    # float32's roundings of 127 / amax, x * (127 / amax) and the two scales (each ~1e-7 of amax: ~0.005 step)
     fin = torch.isfinite(s[:7])
     s = s.double()
     back = a[:7].double().view(7, 3, 32) * s[:7, :, None] + a[7:].double().view(7, 3, 32) * s[7:, :, None]
     amax = x.double().abs().view(7, 3, 32).amax(-1)
     err = (back - x.double().view(7, 3, 32)).abs().amax(-1)
-    assert bool((err[fin] <= amax[fin] / TWO_DIGIT_LEVELS * 0.5001).all())
+    assert bool((err[fin] <= amax[fin] / TWO_DIGIT_LEVELS * 0.51).all())
 
 
 @pytest.mark.parametrize("t", TYPES)
