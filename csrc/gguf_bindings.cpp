@@ -117,8 +117,13 @@ std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, const 
   at::Tensor a = at::empty({digits * M, K}, x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({digits * M, K / 32}, x.options());
   at::Tensor asum = at::empty({digits * M, K / 32}, x.options().dtype(at::kInt));
-  auto quantize = digits == 1 ? taps::gguf::quantize_activations : taps::gguf::quantize_activations_two_digits;
-  quantize(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(), asum.data_ptr<int32_t>(), kp);
+  if (digits == 1) {
+    taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                     asum.data_ptr<int32_t>(), kp);
+  } else {
+    taps::gguf::quantize_activations_two_digits(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(),
+                                                scale.data_ptr<float>(), asum.data_ptr<int32_t>(), M, kp);
+  }
   return {a, scale, asum};
 }
 
@@ -150,7 +155,8 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
       taps::gguf::packed_linear(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1, kp);
     });
   } else {
-    taps::gguf::quantize_activations_two_digits(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), kp);
+    taps::gguf::quantize_activations_two_digits(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), M,
+                                                kp);
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       taps::gguf::packed_linear_two_digits(t, w, N, K, a.data(), scale.data(), asum.data(), M, both.data(), yp, N, g0,
                                            g1, kp);

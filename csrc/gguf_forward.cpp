@@ -85,13 +85,14 @@ struct Quantized {
     a.resize(static_cast<size_t>(digits * m * k));
     scale.resize(static_cast<size_t>(digits * m * KB));
     asum.resize(scale.size());
-    if (digits == 1) {
-      parallel(m, [&](int64_t r0, int64_t r1) {
+    parallel(m, [&](int64_t r0, int64_t r1) {
+      if (digits == 1) {
         quantize_activations(x + r0 * k, r1 - r0, k, a.data() + r0 * k, scale.data() + r0 * KB, asum.data() + r0 * KB);
-      });
-    } else {
-      quantize_activations_two_digits(x, m, k, a.data(), scale.data(), asum.data());
-    }
+      } else {
+        quantize_activations_two_digits(x + r0 * k, r1 - r0, k, a.data() + r0 * k, scale.data() + r0 * KB,
+                                        asum.data() + r0 * KB, m);
+      }
+    });
   }
 };
 

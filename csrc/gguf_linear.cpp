@@ -465,12 +465,12 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float
 }
 
 void quantize_activations_two_digits(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
-                                     KernelPath path) {
+                                     int64_t lo_rows, KernelPath path) {
   quantize_activations(x, M, K, a, scale, asum, path);
   const int64_t KB = K / kBlock;
-  int8_t* lo = a + M * K;
-  float* lo_scale = scale + M * KB;
-  int32_t* lo_sum = asum + M * KB;
+  int8_t* lo = a + lo_rows * K;
+  float* lo_scale = scale + lo_rows * KB;
+  int32_t* lo_sum = asum + lo_rows * KB;
   switch (runnable(path)) {
 #ifdef TAPS_HAVE_VNNI_PATH
     case KernelPath::Amx:

@@ -89,10 +89,11 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float
 constexpr float kResidualSteps = 254.0f;     // the residual digit's steps per step of the leading digit
 constexpr float kTwoDigitLevels = 32258.0f;  // 127 * 254: scale_lo = amax / kTwoDigitLevels
 
-// The two-digit quantisation of x [M, K]: rows [0, M) of a / scale / asum ([2M, K], [2M, K/32], [2M, K/32]) as
-// quantize_activations writes them, rows [M, 2M) the residual digits of the same rows (the numerics above).
+// The two-digit quantisation of x [M, K]: rows [0, M) of a / scale / asum as quantize_activations writes them,
+// and the residual digits of row r (the numerics above) `lo_rows` rows further on (lo_rows = M: one call's
+// [2M, K], [2M, K/32], [2M, K/32] layout; a part of a call's rows passes the whole call's M).
 void quantize_activations_two_digits(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
-                                     KernelPath path = kernel_path());
+                                     int64_t lo_rows, KernelPath path = kernel_path());
 
 // The plain-loop quantiser (what quantize_activations runs without AVX-512); exposed for the tests.
 void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
