@@ -444,3 +444,22 @@ def test_a16_format_is_named_in_records_and_keeps_its_own_cost_table(tmp_path):
     prompt = torch.tensor([[3, 5, 7, 11, 13]])
     logits = [make_verifier(t, FEATURES).prefill(prompt, 8)[0] for t in (one, two)]
     assert not torch.equal(logits[0], logits[1])
+
+
+def test_two_digits_bring_the_forward_to_float32_products(tmp_path, monkeypatch):
+    # what gguf-a16 is for, on a whole forward: its logits sit far closer than gguf's to the same forward with exact
+    # float32 products of the dequantised blocks (the reference forward with its matrix products swapped)
+    import taps_kernels.reference.gguf_forward as reference_forward
+    from taps_kernels.reference.gguf import dequantize_blocks_reference
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="qwen3", vocab=VOCAB, layers=LAYERS)
+    ref = dataclasses.replace(reference_weights_from_gguf(path), kv_dtype=torch.float32)
+    prompt = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43]
+    monkeypatch.setattr(reference_forward, "gguf_linear_reference",
+                        lambda x, raw, t, digits=1: x @ dequantize_blocks_reference(raw, t, x.shape[1]).T)
+    exact = decoder_reference(ref, prompt)[0][-1]
+    gap = {}
+    for digits in (1, 2):
+        target = load_gguf_target(path, kv_dtype=torch.float32, activation_digits=digits)
+        gap[digits] = float((make_verifier(target, FEATURES).prefill(torch.tensor([prompt]), 16)[0] - exact).abs().max())
+    assert gap[2] < gap[1] / 20, gap
