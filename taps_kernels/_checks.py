@@ -301,6 +301,13 @@ def _at(idx: Tuple[int, ...]) -> str:
     return "[" + ",".join(str(i) for i in idx) + "]"
 
 
+def check_nonnegative(name: str, values: Optional[torch.Tensor]) -> None:
+    """Value check of counts or lengths (``None`` passes): every entry ``>= 0``, else the first bad one is named."""
+    if values is not None and bool((values < 0).any()):
+        idx = first_index(values < 0)
+        raise ValueError(f"{name}{_at(idx)}: expected a value >= 0, received {int(values[idx])}")
+
+
 def check_prefix_lens(prefix_lens, B: int, device, check_values: bool = True,
                       upper: Optional[Tuple[int, str]] = None) -> torch.Tensor:
     """``prefix_lens [B]`` int64/int32 on ``device``; returned as int64.

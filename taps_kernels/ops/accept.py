@@ -6,8 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import (MAX_COUNT, check_data_device, check_int, check_nonempty, check_output_size, check_tensor,
-                       check_tree_tensors, first_index, values_checked)
+from .._checks import (MAX_COUNT, check_data_device, check_int, check_nonempty, check_nonnegative, check_output_size,
+                       check_tensor, check_tree_tensors, first_index, values_checked)
 from .._library import backend_for, define, fresh, values_asked
 from ..backend import resolve
 from ..layout import Tree, validate_tree
@@ -109,13 +109,6 @@ def _round_meta(tokens, parents, num_nodes, target_tokens, active, path_len, his
     return B
 
 
-def check_history_lengths(history_lengths: Optional[torch.Tensor]) -> None:
-    """Value check of a history's lengths: ``>= 0`` (a row's tokens are written from there)."""
-    if history_lengths is not None and bool((history_lengths < 0).any()):
-        (b,) = first_index(history_lengths < 0)
-        raise ValueError(f"history_lengths[{b}]: expected a value >= 0, received {int(history_lengths[b])}")
-
-
 def _round_kernel(tokens, parents, num_nodes, target_tokens, active, path_len, history_tokens=None,
                   history_lengths=None, backend=None, validate=None):
     args = (tokens, parents, num_nodes, target_tokens, active, path_len, history_tokens, history_lengths)
@@ -123,7 +116,7 @@ def _round_kernel(tokens, parents, num_nodes, target_tokens, active, path_len, h
     name, fn = backend_for("accept_round", backend, parents, _round_meta, args, check)
     if check:
         _check_walk_structure(parents, num_nodes)
-        check_history_lengths(history_lengths)
+        check_nonnegative("history_lengths", history_lengths)  # a row's tokens are written from there
     return fresh(fn(*args), args[:5] + args[6:], name)
 
 
@@ -176,7 +169,7 @@ def accept_round(tree: Tree, target_tokens: torch.Tensor, active: torch.Tensor, 
     if values_checked(validate, tree.device):
         _round_meta(tree.tokens, tree.parents, tree.num_nodes, target_tokens, active, max_depth + 1, h_tokens,
                     h_lengths)  # the history's metadata before its values are read
-        check_history_lengths(h_lengths)
+        check_nonnegative("history_lengths", h_lengths)
     return accept_round_op(tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(),
                            target_tokens.contiguous(), active.contiguous(), max_depth + 1, h_tokens, h_lengths,
                            backend, "none")

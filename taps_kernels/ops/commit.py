@@ -13,11 +13,11 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .._checks import (FLOAT_DTYPES, MAX_COUNT, check_data_device, check_int, check_nonempty, check_not_grad_tracked,
-                       check_tensor, check_writable_disjoint, first_index, values_checked)
+from .._checks import (FLOAT_DTYPES, MAX_COUNT, check_data_device, check_int, check_nonempty, check_nonnegative,
+                       check_not_grad_tracked, check_tensor, check_writable_disjoint, first_index, values_checked)
 from ..backend import resolve
 from ..layout import Tree, validate_tree
-from .accept import _round_meta, check_history_lengths
+from .accept import _round_meta
 
 
 def _check_commit_args(tree: Tree, active, max_depth, keys, values, lengths, logits, target_tokens, history,
@@ -41,10 +41,8 @@ def _check_commit_args(tree: Tree, active, max_depth, keys, values, lengths, log
         raise ValueError(f"lengths: expected a contiguous tensor (it is written in place), received strides "
                          f"{tuple(lengths.stride())}")
     if values_checked(validate, dev):
-        check_history_lengths(h_lengths)
-        if bool((lengths < 0).any()):
-            (b,) = first_index(lengths < 0)
-            raise ValueError(f"lengths[{b}]: expected a value >= 0, received {int(lengths[b])}")
+        check_nonnegative("history_lengths", h_lengths)
+        check_nonnegative("lengths", lengths)
     if not moves:
         return
     if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)) or not keys \
