@@ -81,7 +81,7 @@ def main():
     totals = {pair: combine_gaps(gs) for pair, gs in gaps.items()}
     total = totals["gguf_vs_fp32"]["positions"]
     ppl = {k: math.exp(v / total) for k, v in nll.items()}
-    res = {"cpu": cpu_name(), "tokens": total, "chunks": args.chunks, "chunk_tokens": args.length,
+    res = {"cpu": cpu_name(), "threads": args.threads, "tokens": total, "chunks": args.chunks, "chunk_tokens": args.length,
            "text": "Python standard library sources: " + ", ".join(FILES),
            "kv_dtype": str(gguf.kv_dtype).replace("torch.", ""),
            "top1_agreement": totals["gguf_vs_fp32"]["top1_agreement"], "perplexity": ppl,
