@@ -11,8 +11,9 @@ smallest prefix), against the time of streaming the step's bytes (blocks + keys 
 
 Prints the tables and writes JSON (default ``bench/results/gguf_target_cpu.json``); every record names the
 CPU and the block-kernel path that ran (``kernel_path``); ``--compare-path`` adds a column for a slower path of
-the same CPU (on an AMX CPU: ``--compare-path vnni``), the two timed in alternating order. Medians of repeated
-calls.
+the same CPU (on an AMX CPU: ``--compare-path vnni``), the two timed in alternating order. Where the VNNI path
+runs (or is compared), the kernel and step tables add the compute floors that this core's measured instruction
+rates set (``cpu_units.py``): what no kernel with these numerics can beat here. Medians of repeated calls.
 """
 import argparse
 import json
@@ -22,6 +23,7 @@ import time
 
 import torch
 from bench_rows_linear import _median_ms  # run as `python bench/...`: its folder is on the path
+from cpu_units import attention_floor_ms_per_row, block_kernel_floor_ms, unit_rates
 
 
 FEATURE_LAYERS = [1, 8, 14, 20, 27]  # the shipped drafter's feature layers: a verify returns them too
@@ -46,7 +48,7 @@ def _interleaved_median_ms(a, b, repeats):
     return 1e3 * statistics.median(ts[0]), 1e3 * statistics.median(ts[1])
 
 
-def kernel_table(rows, repeats, compare_path=None):
+def kernel_table(rows, repeats, compare_path=None, rates=None):
     from taps.models.gguf_file import GGUFFile
     from taps.models.target import find_smollm2_gguf
     from taps_kernels import _C
@@ -84,6 +86,9 @@ def kernel_table(rows, repeats, compare_path=None):
         rec["int8_fbgemm_ms"] = _median_ms(lambda: [m(xs[m.in_features]) for m in int8], repeats)
         rec["gguf_GBps"] = nbytes / rec["gguf_ms"] / 1e6
         rec["gguf_GOPs"] = 2 * macs * M / rec["gguf_ms"] / 1e6
+        if rates:
+            rec["vnni_floor_ms"], rec["vnni_dots_only_floor_ms"] = block_kernel_floor_ms([m[1:] for m in mats], M,
+                                                                                         rates)
         out.append(rec)
     return {"matrices": len(mats), "bytes": nbytes, "stream_floor_ms": floor, "rows": out}
 
@@ -99,7 +104,7 @@ def _tree(rng, n, chain):
                 torch.tensor([depth], dtype=torch.int32), torch.tensor([n], dtype=torch.int32))
 
 
-def step_table(nodes, prefix, repeats, with_fp32):
+def step_table(nodes, prefix, repeats, with_fp32, rates=None):
     from taps.decode.verifier import make_verifier
     from taps.models.target import load_target
 
@@ -117,7 +122,24 @@ def step_table(nodes, prefix, repeats, with_fp32):
                 tree = _tree(rng, n, shape == "chain")
                 out.append({"format": fmt, "nodes": n, "shape": shape,
                             "ms": _median_ms(lambda: v.verify(tree), repeats)})
+                if rates and fmt != "fp32":
+                    out[-1]["vnni_compute_floor_ms"] = _step_floor_ms(targets[fmt], n, prefix, rates)
     return out
+
+
+def _step_floor_ms(target, nodes, prefix, rates):
+    """The VNNI path's compute floor of an n-node verify at ``prefix``: the block kernels at n rows (2n with two
+    activation digits) and n rows of attention over the prefix (cpu_units.py); a decode step is bound by memory
+    instead, so its floor is the streaming one."""
+    from taps.models.gguf_file import GGUFFile
+    from taps.models.target import find_smollm2_gguf
+
+    c = target.config
+    shapes = [(t.ggml_type, t.shape[1], t.shape[0]) for t in GGUFFile(find_smollm2_gguf()).tensors.values()
+              if t.ggml_type in (3, 8)]
+    block_ms, _ = block_kernel_floor_ms(shapes, nodes * target.activation_digits, rates)
+    return block_ms + nodes * attention_floor_ms_per_row(c.num_hidden_layers, c.num_attention_heads, c.head_dim,
+                                                         prefix, rates)
 
 
 def batch_decode_table(batch, prefixes, repeats):
@@ -201,26 +223,43 @@ def main():
     from taps_kernels import _C
 
     torch.set_grad_enabled(False)
-    res = {"cpu": cpu_name(), "threads": args.threads, "kernel_path": _C.gguf_kernel_path(),
-           "kernels": kernel_table(_ints(args.rows) or [1], args.repeats, args.compare_path)}
+    path = _C.gguf_kernel_path()
+    vnni_col = "gguf_ms" if path == "vnni" else ("vnni_ms" if args.compare_path == "vnni" else None)
+    rates, why = unit_rates() if vnni_col else (None, f"the {path} path runs here; the floors are the VNNI path's")
+    res = {"cpu": cpu_name(), "threads": args.threads, "kernel_path": path,
+           "unit_rates": rates if rates else {"unavailable": why},
+           "kernels": kernel_table(_ints(args.rows) or [1], args.repeats, args.compare_path, rates)}
     k = res["kernels"]
     print(f"# {res['cpu']}, {args.threads} thread(s), {res['kernel_path']} kernels: "
           f"all {k['matrices']} matrices of SmolLM2 "
           f"({k['bytes'] / 1e6:.1f} MB of blocks; streaming them once: {k['stream_floor_ms']:.2f} ms)")
+    if rates:
+        print(f"# this core, per second: vpdpbusd {rates['vpdpbusd_per_s'] / 1e9:.2f} G, vmulps "
+              f"{rates['vmulps_per_s'] / 1e9:.2f} G, the two alternating {rates['vpdpbusd_vmulps_per_s'] / 1e9:.2f} G, "
+              f"vfmadd231ps {rates['vfmadd231ps_per_s'] / 1e9:.2f} G (cpu_units.py); VNNI floor: 8 vpdpbusd + the "
+              f"float step's 3 (Q4_1) / 2 (Q8_0) multiplies per 16 outputs, row and block")
+    else:
+        print(f"# no compute floors: {why}")
     other = f"{args.compare_path}_ms" if args.compare_path else None
+    floors = f" {'floor ms':>8} {'x floor':>7}" if rates else ""
     print(f"{'rows':>5} {'gguf ms':>8} {'GB/s':>6} {'GOP/s':>7} {'a16 ms':>7} {'fp32 ms':>8} {'bf16 ms':>8} "
-          f"{'int8 ms':>8}" + (f" {other:>9}" if other else ""))
+          f"{'int8 ms':>8}" + (f" {other:>9}" if other else "") + floors)
     for r in k["rows"]:
         print(f"{r['rows']:>5} {r['gguf_ms']:>8.2f} {r['gguf_GBps']:>6.1f} {r['gguf_GOPs']:>7.0f} "
               f"{r['gguf_a16_ms']:>7.2f} {r['fp32_ms']:>8.2f} {r['bf16_ms']:>8.2f} {r['int8_fbgemm_ms']:>8.2f}"
-              + (f" {r[other]:>9.2f}" if other else ""))
+              + (f" {r[other]:>9.2f}" if other else "")
+              + (f" {r['vnni_floor_ms']:>8.2f} {r[vnni_col] / r['vnni_floor_ms']:>7.2f}" if rates else ""))
     res["prefix"] = args.prefix
-    res["steps"] = step_table(_ints(args.nodes) or [1], args.prefix, args.repeats, not args.no_fp32)
-    print(f"\n# target step, prefix {args.prefix}: one verify forward (logits + the drafter's 5 feature layers)")
-    print(f"{'format':>8} {'nodes':>5} {'shape':>6} {'ms':>8} {'x decode':>8}")
+    res["steps"] = step_table(_ints(args.nodes) or [1], args.prefix, args.repeats, not args.no_fp32, rates)
+    print(f"\n# target step, prefix {args.prefix}: one verify forward (logits + the drafter's 5 feature layers)"
+          + ("; floor: the VNNI block kernels' and attention's compute floor (a decode step is bound by memory)"
+             if rates else ""))
+    print(f"{'format':>8} {'nodes':>5} {'shape':>6} {'ms':>8} {'x decode':>8}" + (f" {'floor ms':>8}" if rates else ""))
     base = {s["format"]: s["ms"] for s in res["steps"] if s["nodes"] == 1}
     for s in res["steps"]:
-        print(f"{s['format']:>8} {s['nodes']:>5} {s['shape']:>6} {s['ms']:>8.2f} {s['ms'] / base[s['format']]:>8.2f}")
+        floor = s.get("vnni_compute_floor_ms")
+        print(f"{s['format']:>8} {s['nodes']:>5} {s['shape']:>6} {s['ms']:>8.2f} {s['ms'] / base[s['format']]:>8.2f}"
+              + ((f" {floor:>8.2f}" if floor is not None else f" {'':>8}") if rates else ""))
     if args.batch:
         res["batch_decode"] = batch_decode_table(args.batch, _ints(args.batch_prefixes),
                                                  max(3, args.repeats // 2))
