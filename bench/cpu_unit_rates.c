@@ -1,6 +1,6 @@
 /* Peak rates of the vector instructions the CPU block kernels (csrc/gguf_linear.cpp) and the forward's attention
  * (csrc/gguf_row_ops_avx512.cpp) are built from, on one core: each loop runs 12 independent register chains of one
- * instruction (or of two alternating), so latency never limits it and the rate is what the core's pipes issue.
+ * instruction (or of two alternating), so latency never limits it and the rate is what the core's pipes sustain.
  * The mixes say which instructions share pipes: vpdpbusd and vmulps alternating no faster than either alone means
  * both go through the same pipes, so the kernels' multiplies and dot products add up against one budget.
  *

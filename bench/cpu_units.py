@@ -5,8 +5,8 @@ floors they set.
 The block kernels' floor (VNNI path): every 16 outputs, row and 32-block cost 8 ``vpdpbusd`` (512 byte products,
 64 each) and the float step's multiplies, which the numerics fix as separate IEEE products (``gguf_linear.h``):
 3 for Q4_1 (``d * sum``, ``m * asum``, ``* scale``), 2 for Q8_0. Where the measured mix of ``vpdpbusd`` and
-``vmulps`` issues no faster than either alone, both share pipes and the floor is their sum at that joint rate; the
-additions, conversions and nibble masks issue on other pipes and are left out (a floor, not a model).
+``vmulps`` runs no faster than either alone, both share pipes and the floor is their sum at that joint rate; the
+additions, conversions and nibble masks run on other pipes and are left out (a floor, not a model).
 The attention floor: a row's scores and value sums over ``prefix`` keys are ``2 * heads * prefix * head_dim``
 float32 multiply-adds per layer, 16 per ``vfmadd231ps``.
 """
@@ -45,7 +45,7 @@ def unit_rates() -> Tuple[Optional[dict], str]:
 
 
 def shared_multiply_pipes(rates: dict) -> bool:
-    """Whether ``vpdpbusd`` and ``vmulps`` share pipes: their alternation issues (within 10%) no faster than the
+    """Whether ``vpdpbusd`` and ``vmulps`` share pipes: their alternation runs (within 10%) no faster than the
     slower of the two alone."""
     return rates["vpdpbusd_vmulps_per_s"] < 1.1 * min(rates["vpdpbusd_per_s"], rates["vmulps_per_s"])
 

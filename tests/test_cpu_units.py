@@ -42,4 +42,4 @@ def test_unit_rates_measures_this_cpu_or_says_why_not(units):
         return
     assert why == ""
     for key in ("vpdpbusd_per_s", "vmulps_per_s", "vfmadd231ps_per_s", "vcvtdq2ps_per_s", "vpdpbusd_vmulps_per_s"):
-        assert math.isfinite(rates[key]) and rates[key] > 1e8, key  # any AVX-512 core issues >0.1 G of each per s
+        assert math.isfinite(rates[key]) and rates[key] > 1e8, key  # any AVX-512 core runs >0.1 G of each per s
