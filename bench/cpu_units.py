@@ -8,10 +8,12 @@ The block kernels' floor (VNNI path): every 16 outputs, row and 32-block cost 8 
 ``vmulps`` runs no faster than either alone, both share pipes and the floor is their sum at that joint rate; the
 additions, conversions and nibble masks run on other pipes and are left out (a floor, not a model).
 The attention floor: a row's scores and value sums over ``prefix`` keys are ``2 * heads * prefix * head_dim``
-float32 multiply-adds per layer, 16 per ``vfmadd231ps``.
+float32 multiply-adds per layer, 16 per ``vfmadd231ps``. Where the CPU has AVX-512 BF16, ``vdpbf16ps`` is timed
+too (32 bfloat16 multiply-adds per instruction: what bounds torch's bfloat16 GEMMs without AMX).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -68,3 +70,28 @@ def block_kernel_floor_ms(mats: Iterable[Tuple[int, int, int]], rows: int, rates
 def attention_floor_ms_per_row(layers: int, heads: int, head_dim: int, prefix: int, rates: dict) -> float:
     """float32 FMA floor of one query row's attention over ``prefix`` keys in every layer."""
     return 1e3 * layers * 2 * heads * prefix * head_dim / 16 / rates["vfmadd231ps_per_s"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="bench/results/cpu_unit_rates.json")
+    args = ap.parse_args()
+    from taps.decode.latency import cpu_name
+
+    rates, why = unit_rates()
+    if rates is None:
+        print(f"no unit rates: {why}")
+        return
+    print(f"# {cpu_name()}, one core: instructions per second (512-bit forms)")
+    for key, value in rates.items():
+        if key.endswith("_per_s"):
+            print(f"{key[:-6]:>22} {value / 1e9:6.2f} G")
+    print(f"vpdpbusd and vmulps share pipes: {'yes' if shared_multiply_pipes(rates) else 'no'}")
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"cpu": cpu_name(), "rates": rates, "shared_multiply_pipes": shared_multiply_pipes(rates)}, f,
+                  indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
