@@ -111,6 +111,7 @@ def step_table(nodes, prefix, repeats, with_fp32, rates=None):
     targets = {fmt: load_target("smollm2", target_format=fmt)[0] for fmt in ("gguf", "gguf-a16")}
     if with_fp32:
         targets["fp32"] = load_target("smollm2", target_format="fp32")[0]
+    shapes = _matrix_shapes() if rates else None
     rng = random.Random(0)
     prompt = torch.tensor([[rng.randrange(49152) for _ in range(prefix)]])
     out = []
@@ -123,20 +124,24 @@ def step_table(nodes, prefix, repeats, with_fp32, rates=None):
                 out.append({"format": fmt, "nodes": n, "shape": shape,
                             "ms": _median_ms(lambda: v.verify(tree), repeats)})
                 if rates and fmt != "fp32":
-                    out[-1]["vnni_compute_floor_ms"] = _step_floor_ms(targets[fmt], n, prefix, rates)
+                    out[-1]["vnni_compute_floor_ms"] = _step_floor_ms(targets[fmt], shapes, n, prefix, rates)
     return out
 
 
-def _step_floor_ms(target, nodes, prefix, rates):
-    """The VNNI path's compute floor of an n-node verify at ``prefix``: the block kernels at n rows (2n with two
-    activation digits) and n rows of attention over the prefix (cpu_units.py); a decode step is bound by memory
-    instead, so its floor is the streaming one."""
+def _matrix_shapes():
+    """(GGML type, N, K) of SmolLM2's block matrices, as the kernel table runs them."""
     from taps.models.gguf_file import GGUFFile
     from taps.models.target import find_smollm2_gguf
 
+    return [(t.ggml_type, t.shape[1], t.shape[0]) for t in GGUFFile(find_smollm2_gguf()).tensors.values()
+            if t.ggml_type in (3, 8)]
+
+
+def _step_floor_ms(target, shapes, nodes, prefix, rates):
+    """The VNNI path's compute floor of an n-node verify at ``prefix``: the block kernels at n rows (2n with two
+    activation digits) and n rows of attention over the prefix (cpu_units.py); a decode step is bound by memory
+    instead, so its floor is the streaming one."""
     c = target.config
-    shapes = [(t.ggml_type, t.shape[1], t.shape[0]) for t in GGUFFile(find_smollm2_gguf()).tensors.values()
-              if t.ggml_type in (3, 8)]
     block_ms, _ = block_kernel_floor_ms(shapes, nodes * target.activation_digits, rates)
     return block_ms + nodes * attention_floor_ms_per_row(c.num_hidden_layers, c.num_attention_heads, c.head_dim,
                                                          prefix, rates)

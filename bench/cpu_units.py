@@ -37,7 +37,10 @@ def unit_rates() -> Tuple[Optional[dict], str]:
         built = subprocess.run([cc, "-O2", src, "-o", exe], capture_output=True, text=True)
         if built.returncode != 0:
             return None, f"{os.path.basename(cc)} could not build cpu_unit_rates.c: {built.stderr.strip()[:200]}"
-        ran = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+        try:
+            ran = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return None, "cpu_unit_rates ran past 120 s"
     if ran.returncode != 0:
         return None, f"cpu_unit_rates exited with {ran.returncode}"
     rates = json.loads(ran.stdout)
