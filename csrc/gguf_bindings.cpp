@@ -117,13 +117,8 @@ std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, const 
   at::Tensor a = at::empty({digits * M, K}, x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({digits * M, K / 32}, x.options());
   at::Tensor asum = at::empty({digits * M, K / 32}, x.options().dtype(at::kInt));
-  if (digits == 1) {
-    taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                     asum.data_ptr<int32_t>(), kp);
-  } else {
-    taps::gguf::quantize_activations_two_digits(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(),
-                                                scale.data_ptr<float>(), asum.data_ptr<int32_t>(), M, kp);
-  }
+  taps::gguf::quantize_activations_digits(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                          asum.data_ptr<int32_t>(), digits, M, kp);
   return {a, scale, asum};
 }
 
@@ -149,19 +144,12 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   float* yp = y.data_ptr<float>();
   py::gil_scoped_release no_gil;
   const int64_t groups = (N + taps::gguf::kGroupRows - 1) / taps::gguf::kGroupRows;
-  if (digits == 1) {
-    taps::gguf::quantize_activations(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), kp);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      taps::gguf::packed_linear(t, w, N, K, a.data(), scale.data(), asum.data(), M, yp, N, g0, g1, kp);
-    });
-  } else {
-    taps::gguf::quantize_activations_two_digits(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), M,
-                                                kp);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      taps::gguf::packed_linear_two_digits(t, w, N, K, a.data(), scale.data(), asum.data(), M, both.data(), yp, N, g0,
-                                           g1, kp);
-    });
-  }
+  taps::gguf::quantize_activations_digits(x.data_ptr<float>(), M, K, a.data(), scale.data(), asum.data(), digits, M,
+                                          kp);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    taps::gguf::packed_linear_digits(t, w, N, K, a.data(), scale.data(), asum.data(), M, digits, both.data(), yp, N,
+                                     g0, g1, kp);
+  });
   return y;
 }
 

@@ -86,28 +86,18 @@ struct Quantized {
     scale.resize(static_cast<size_t>(digits * m * KB));
     asum.resize(scale.size());
     parallel(m, [&](int64_t r0, int64_t r1) {
-      if (digits == 1) {
-        quantize_activations(x + r0 * k, r1 - r0, k, a.data() + r0 * k, scale.data() + r0 * KB, asum.data() + r0 * KB);
-      } else {
-        quantize_activations_two_digits(x + r0 * k, r1 - r0, k, a.data() + r0 * k, scale.data() + r0 * KB,
-                                        asum.data() + r0 * KB, m);
-      }
+      quantize_activations_digits(x + r0 * k, r1 - r0, k, a.data() + r0 * k, scale.data() + r0 * KB,
+                                  asum.data() + r0 * KB, digits, m);
     });
   }
 };
 
 void linear(const PackedMatrix& w, Quantized& q, float* y, int64_t ldy, const ParallelFor& parallel) {
   const int64_t groups = (w.rows + kGroupRows - 1) / kGroupRows;
-  if (q.digits == 1) {
-    parallel(groups, [&](int64_t g0, int64_t g1) {
-      packed_linear(w.type, w.data, w.rows, w.cols, q.a.data(), q.scale.data(), q.asum.data(), q.M, y, ldy, g0, g1);
-    });
-    return;
-  }
-  q.both.resize(static_cast<size_t>(2 * q.M * w.rows));
+  q.both.resize(static_cast<size_t>(q.digits == 2 ? 2 * q.M * w.rows : 0));
   parallel(groups, [&](int64_t g0, int64_t g1) {
-    packed_linear_two_digits(w.type, w.data, w.rows, w.cols, q.a.data(), q.scale.data(), q.asum.data(), q.M,
-                             q.both.data(), y, ldy, g0, g1);
+    packed_linear_digits(w.type, w.data, w.rows, w.cols, q.a.data(), q.scale.data(), q.asum.data(), q.M, q.digits,
+                         q.both.data(), y, ldy, g0, g1);
   });
 }
 

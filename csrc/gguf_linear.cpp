@@ -142,7 +142,7 @@ void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a
 namespace {
 
 // The residual digits of rows already quantised to a (gguf_linear.h: two digits) into lo / lo_scale /
-// lo_sum; the plain loop. Blocks holding inf or NaN get codes that quantize_activations_two_digits then clears.
+// lo_sum; the plain loop. Blocks holding inf or NaN get codes that quantize_activations_digits then clears.
 void residual_digits_scalar(const float* x, int64_t M, int64_t K, const int8_t* a, int8_t* lo,
                             float* lo_scale, int32_t* lo_sum) {
   const int64_t KB = K / kBlock;
@@ -464,9 +464,10 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float
   }
 }
 
-void quantize_activations_two_digits(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
-                                     int64_t lo_rows, KernelPath path) {
+void quantize_activations_digits(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
+                                 int64_t digits, int64_t lo_rows, KernelPath path) {
   quantize_activations(x, M, K, a, scale, asum, path);
+  if (digits == 1) return;
   const int64_t KB = K / kBlock;
   int8_t* lo = a + lo_rows * K;
   float* lo_scale = scale + lo_rows * KB;
@@ -489,9 +490,13 @@ void quantize_activations_two_digits(const float* x, int64_t M, int64_t K, int8_
   }
 }
 
-void packed_linear_two_digits(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
-                              const float* scale, const int32_t* asum, int64_t M, float* both, float* y, int64_t ldy,
-                              int64_t g0, int64_t g1, KernelPath path) {
+void packed_linear_digits(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                          const float* scale, const int32_t* asum, int64_t M, int64_t digits, float* both, float* y,
+                          int64_t ldy, int64_t g0, int64_t g1, KernelPath path) {
+  if (digits == 1) {
+    packed_linear(t, packed, N, K, a, scale, asum, M, y, ldy, g0, g1, path);
+    return;
+  }
   packed_linear(t, packed, N, K, a, scale, asum, 2 * M, both, N, g0, g1, path);
   const int64_t n0 = g0 * kGroupRows, n1 = std::min(N, g1 * kGroupRows);
   for (int64_t m = 0; m < M; ++m) {

@@ -89,11 +89,12 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* a, float
 constexpr float kResidualSteps = 254.0f;     // the residual digit's steps per step of the leading digit
 constexpr float kTwoDigitLevels = 32258.0f;  // 127 * 254: scale_lo = amax / kTwoDigitLevels
 
-// The two-digit quantisation of x [M, K]: rows [0, M) of a / scale / asum as quantize_activations writes them,
-// and the residual digits of row r (the numerics above) `lo_rows` rows further on (lo_rows = M: one call's
-// [2M, K], [2M, K/32], [2M, K/32] layout; a part of a call's rows passes the whole call's M).
-void quantize_activations_two_digits(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
-                                     int64_t lo_rows, KernelPath path = kernel_path());
+// The quantisation of x [M, K] in `digits` (1 or 2) int8 digits: rows [0, M) of a / scale / asum as
+// quantize_activations writes them, and with two digits the residual digits of row r (the numerics above)
+// `lo_rows` rows further on (lo_rows = M: one call's [2M, K], [2M, K/32], [2M, K/32] layout; a part of a call's
+// rows passes the whole call's M).
+void quantize_activations_digits(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum,
+                                 int64_t digits, int64_t lo_rows, KernelPath path = kernel_path());
 
 // The plain-loop quantiser (what quantize_activations runs without AVX-512); exposed for the tests.
 void quantize_activations_scalar(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
@@ -104,12 +105,13 @@ void packed_linear(BlockType t, const uint8_t* packed, int64_t N, int64_t K, con
                    const int32_t* asum, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1,
                    KernelPath path = kernel_path());
 
-// packed_linear of a two-digit quantisation (2M rows) on groups [g0, g1): both digits' rows into `both` ([2M, N],
-// the caller's; groups write disjoint columns of it), then y[m, n] = both[m, n] + both[M + m, n] for those groups'
-// columns n.
-void packed_linear_two_digits(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
-                              const float* scale, const int32_t* asum, int64_t M, float* both, float* y, int64_t ldy,
-                              int64_t g0, int64_t g1, KernelPath path = kernel_path());
+// packed_linear of a quantisation in `digits` digits (quantize_activations_digits with lo_rows = M) on groups
+// [g0, g1): one digit is packed_linear itself (`both` unused); two digits put both digits' rows into `both`
+// ([2M, N], the caller's; groups write disjoint columns of it), then y[m, n] = both[m, n] + both[M + m, n] for those
+// groups' columns n.
+void packed_linear_digits(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
+                          const float* scale, const int32_t* asum, int64_t M, int64_t digits, float* both, float* y,
+                          int64_t ldy, int64_t g0, int64_t g1, KernelPath path = kernel_path());
 
 // The plain-loop path on its own (what packed_linear runs without AVX-512 VNNI); exposed for the tests.
 void packed_linear_scalar(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
@@ -120,7 +122,7 @@ void packed_linear_scalar(BlockType t, const uint8_t* packed, int64_t N, int64_t
 // without AVX-512; the same bits as the plain loops. Callers check avx2_available() first.
 void quantize_activations_avx2(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, int32_t* asum);
 // The residual digits (two-digit quantisation) of rows x already quantised to a, into lo / lo_scale / lo_sum
-// (blocks holding inf or NaN: any codes; quantize_activations_two_digits clears them).
+// (blocks holding inf or NaN: any codes; quantize_activations_digits clears them).
 void residual_digits_avx2(const float* x, int64_t M, int64_t K, const int8_t* a, int8_t* lo, float* lo_scale,
                           int32_t* lo_sum);
 void packed_linear_avx2(BlockType t, const uint8_t* packed, int64_t N, int64_t K, const int8_t* a,
