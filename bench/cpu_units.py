@@ -91,8 +91,8 @@ def main():
             print(f"{key[:-6]:>22} {value / 1e9:6.2f} G")
     print(f"vpdpbusd and vmulps share pipes: {'yes' if shared_multiply_pipes(rates) else 'no'}")
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"cpu": cpu_name(), "rates": rates, "shared_multiply_pipes": shared_multiply_pipes(rates)}, f,
-                  indent=1)
+        json.dump({"cpu": cpu_name(), "threads": 1, "rates": rates,
+                   "shared_multiply_pipes": shared_multiply_pipes(rates)}, f, indent=1)
     print(f"wrote {args.out}")
 
 
